@@ -1,0 +1,20 @@
+"""spec-graph: draft-model speculative decoding captured as static graphs."""
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "SpecGraphConfig": "config",
+    "SpecDecoder": "engine",
+    "GenerationOutput": "engine",
+    "GenerationResult": "engine",
+    "GenerationStats": "engine",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    # Lazy, so that light entry points (the CLI's parser, plugins) do not import the models.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'spec_graph' has no attribute {name!r}")

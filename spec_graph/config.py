@@ -1,0 +1,55 @@
+"""SpecGraphConfig: everything that shapes the engine's static graphs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class SpecGraphConfig:
+    """Engine settings.
+
+    num_speculative_tokens: K, draft tokens proposed per step (1..16).
+    max_batch_size: request slots decoded together; more prompts are queued.
+    max_len: longest prompt + generated tokens a request may reach.
+    dtype: "auto" (bfloat16 on accelerators, float32 on CPU), "float32", "bfloat16" or "float16".
+    device: "cuda", "npu", "cpu" or None for the best one found.
+    batch_buckets: padded batch sizes the step is built for.
+    enable_graph: capture the step in static graphs; None means on where the platform has graphs.
+    steps_per_graph: speculative steps per captured graph replay.
+    """
+
+    num_speculative_tokens: int = 4
+    max_batch_size: int = 8
+    max_len: int = 512
+    dtype: str = "auto"
+    device: str | None = None
+    batch_buckets: tuple[int, ...] = field(default_factory=lambda: DEFAULT_BUCKETS)
+    enable_graph: bool | None = None
+    steps_per_graph: int = 1
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")
+        if not isinstance(self.max_len, int) or self.max_len < 2:
+            raise ValueError(f"max_len must be an integer >= 2, got {self.max_len!r}")
+        buckets = tuple(sorted({int(b) for b in self.batch_buckets}))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"batch_buckets must be positive integers, got {self.batch_buckets!r}")
+        self.batch_buckets = buckets
+        if not isinstance(self.steps_per_graph, int) or self.steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
+
+    def bucket_for(self, batch: int) -> int:
+        """The smallest bucket holding `batch` rows (the batch itself above the largest bucket)."""
+        for b in self.batch_buckets:
+            if b >= batch:
+                return b
+        return batch

@@ -1,0 +1,171 @@
+"""A compact static-KV decoder for the Llama family (llama, qwen2, qwen3, mistral).
+
+Module names mirror Hugging Face's, so a checkpoint's state dict loads as is.
+The KV cache is a plain preallocated buffer ``[layers, slots, kv_heads,
+cache_len, head_dim]``: a forward writes its new keys at absolute positions
+with ``index_put_`` (``scatter_`` would make inductor copy the whole cache) and
+attends over the whole buffer with a position mask, so shapes stay static.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    dim = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = args.rope_scaling
+    if s is None:
+        return inv
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, H, D]; cos/sin [B, T, 1, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.window = args.sliding_windows[layer] if args.sliding_windows else 0
+        h = args.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views
+        rows = (torch.arange(B, device=x.device) if slots is None else slots)[:, None, None]
+        heads = torch.arange(self.n_kv, device=x.device)[None, None, :]
+        pos = positions[:, :, None]
+        kc.index_put_((rows, heads, pos), k)
+        vc.index_put_((rows, heads, pos), v)
+        # Rows 0..B-1 are slots 0..B-1 in the step: a slice reads the cache without a gather copy.
+        keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
+
+        L = keys.shape[2]
+        kpos = torch.arange(L, device=x.device)
+        mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        if self.window:
+            mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
+
+        # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
+        g = self.n_heads // self.n_kv
+        qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, self.head_dim)
+        scores = (qg @ keys.transpose(-1, -2)).view(B, self.n_kv, g, T, L) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.n_kv, g * T, L)
+        out = (probs @ values).view(B, self.n_kv, g, T, self.head_dim).permute(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """``forward(tokens [B,T], positions [B,T], k_cache, v_cache, slots=None) -> float32 logits [B,T,V]``.
+
+    Row ``b`` reads and writes cache slot ``slots[b]`` (slot ``b`` when ``slots`` is None). Keys at positions above
+    a query's own are masked, so stale cache entries past a request's length
+    are never read before they are overwritten.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def new_kv_cache(self, slots: int, cache_len: int, dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        ref = self.model.embed_tokens.weight
+        shape = (a.num_layers, slots, a.num_kv_heads, cache_len, a.head_dim)
+        # zeros, not empty: masked probabilities are 0, and 0 * NaN garbage would still be NaN.
+        make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device)  # noqa: E731
+        return make(), make()
+
+    def forward(self, tokens, positions, k_cache, v_cache, slots=None):
+        x = self.model.embed_tokens(tokens)
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions, k_cache, v_cache, slots)
+        x = self.model.norm(x)
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()

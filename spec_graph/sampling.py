@@ -1,0 +1,56 @@
+"""Greedy / temperature / top-k / top-p, as pure tensor functions.
+
+Randomness never comes from an RNG op: seeds and step counters are inputs and
+the counter-based hash in ``kernels.rng`` turns them into uniforms, so the
+same code runs eagerly, compiled and inside captured graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _rows(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    # per-row [B] parameter -> [B, 1, ..., 1] to broadcast against [B, ..., V]
+    return t.view(t.shape[0], *([1] * (ndim - 1)))
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities from logits ``[B, ..., V]`` with per-row ``[B]`` temperature, top-k, top-p.
+
+    top_k == 0 and top_p == 1 disable their filters. Draft and target go
+    through this same function, so both distributions are filtered alike.
+    """
+    x = logits.float() / _rows(temperature.float(), logits.dim())
+    V = x.shape[-1]
+    srt, idx = torch.sort(x, dim=-1, descending=True)
+    k = _rows(top_k, logits.dim()).clamp(min=0)
+    k = torch.where(k == 0, torch.full_like(k, V), k.clamp(max=V))
+    rank = torch.arange(V, device=x.device)
+    keep = rank < k
+    p_sorted = torch.softmax(srt.masked_fill(~keep, float("-inf")), dim=-1)
+    before = torch.cumsum(p_sorted, dim=-1) - p_sorted  # mass strictly before each token
+    keep = keep & ((before < _rows(top_p.float(), logits.dim())) | (rank == 0))
+    keep_orig = torch.zeros_like(keep).scatter(-1, idx, keep)
+    return torch.softmax(x.masked_fill(~keep_orig, float("-inf")), dim=-1)

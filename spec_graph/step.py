@@ -1,0 +1,93 @@
+"""THE speculative step, as one pure tensor function with static shapes and no host sync.
+
+Committed length ``c`` per row; ``tail = (x[c-2], x[c-1])`` and the last
+committed token has been fed to neither model yet.
+
+1. draft catch-up: feed ``tail`` at positions ``[c-2, c-1]`` (two slots keep the
+   shape static whether or not the last step accepted every draft), then K-1
+   single-token draft forwards -> ``draft_token_ids [B, K]``;
+2. target verify: ``[x[c-1], d1..dK]`` at ``c-1 .. c+K-1`` -> logits ``[B, K+1, V]``;
+3. rejection: greedy (accept while draft == target argmax) or Leviathan/Chen;
+4. next-input preparation, counting and the output append, on the device.
+
+Row ``b`` is cache slot ``b``. Rows with ``active == False`` (batch padding,
+finished requests) change no state but their own scratch cache entries.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .kernels import DRAFT_POS_BASE, greedy_accept_prepare, prepare_next, race_sample
+from .sampling import logits_to_probs
+
+# Module-level so that tests can swap in deliberately broken samplers.
+rejection_sample = kernels.rejection_sample
+
+STATE_FIELDS = ("tail", "seq_lens", "n_out", "max_new", "active", "error", "seeds", "steps",
+                "temperature", "top_k", "top_p")
+
+
+def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: torch.Tensor,
+                     acc_log: torch.Tensor, stop_ids: torch.Tensor, K: int, greedy: bool) -> dict:
+    """One speculative step over ``B = state["tail"].shape[0]`` rows.
+
+    ``state`` holds ``[B]``-leading tensors (see ``STATE_FIELDS``); the new
+    values come back in a dict. ``out_buf [B, L]`` (generated tokens) and
+    ``acc_log [B, L]`` (accepted drafts per step) and the KV caches are
+    updated in place.
+    """
+    tail, c, active = state["tail"], state["seq_lens"], state["active"]
+    seeds, steps = state["seeds"], state["steps"]
+    B = tail.shape[0]
+    dev = tail.device
+    rows = torch.arange(B, device=dev)
+    last_pos = draft_kv[0].shape[3] - 1
+    sample = lambda lg: logits_to_probs(lg, state["temperature"], state["top_k"], state["top_p"])  # noqa: E731
+
+    # 1. draft: 2-token catch-up, then K-1 single-token forwards
+    pos = torch.stack((c - 2, c - 1), dim=1).clamp(0, last_pos)
+    logits = draft(tail, pos, *draft_kv)[:, -1]
+    finite = torch.isfinite(logits).all(-1)
+    drafts, draft_probs = [], []
+    for j in range(K):
+        if j > 0:
+            pos_j = (c - 1 + j).clamp(0, last_pos)[:, None]
+            logits = draft(drafts[-1][:, None], pos_j, *draft_kv)[:, 0]
+            finite = finite & torch.isfinite(logits).all(-1)
+        if greedy:
+            d = logits.argmax(-1)
+        else:
+            q = sample(logits)
+            d = race_sample(q, seeds, steps, rows, DRAFT_POS_BASE + j)
+            draft_probs.append(q)
+        drafts.append(d)
+    draft_ids = torch.stack(drafts, dim=1)  # [B, K]
+
+    # 2. target verify over K+1 positions
+    vtok = torch.cat((tail[:, 1:], draft_ids), dim=1)
+    vpos = (c[:, None] - 1 + torch.arange(K + 1, device=dev)[None]).clamp(0, last_pos)
+    tlogits = target(vtok, vpos, *target_kv)  # [B, K+1, V]
+    finite = finite & torch.isfinite(tlogits).all(-1).all(-1)
+    ok = active & finite
+
+    # 3 + 4. rejection, counting, next inputs, output append
+    args = (ok, tail, c, state["n_out"], state["max_new"], stop_ids, out_buf)
+    if greedy:
+        _, num_acc, _, new_tail, new_c, new_n, done = greedy_accept_prepare(draft_ids, tlogits.argmax(-1), *args)
+    else:
+        sampled, _ = rejection_sample(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)
+        num_acc, _, new_tail, new_c, new_n, done = prepare_next(sampled, *args)
+
+    col = (steps - 1).clamp(0, acc_log.shape[1] - 1)
+    acc_log.index_put_((rows, col), torch.where(ok, num_acc, acc_log[rows, col]))
+    failed = active & ~finite
+    return {
+        "tail": new_tail,
+        "seq_lens": new_c,
+        "n_out": new_n,
+        "active": ok & ~done,
+        "error": state["error"] | failed,
+        "steps": steps + ok.long(),
+        "finished": (ok & done) | failed,
+    }

@@ -1,0 +1,41 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from helpers import build_tokenizer, make_checkpoint, perturbed_copy  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA or NPU device; skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    from spec_graph import platform
+
+    if platform.current().supports_graphs:
+        return
+    skip = pytest.mark.skip(reason="no GPU/NPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer(96)
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory, tokenizer):
+    """(target, draft) directories: a random Llama target and a noisy copy of it as draft."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_checkpoint(root / "target", vocab_size=96, tokenizer=tokenizer, layers=2)
+    draft = perturbed_copy(target, root / "draft", noise=0.6)
+    return target, draft

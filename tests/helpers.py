@@ -1,0 +1,85 @@
+"""Tiny random checkpoints and an offline tokenizer, built with HF transformers / tokenizers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "import os\nimport sys\nfor i in range(10):\n    print(i)\nwhile True:\n    break\n"
+    "the quick brown fox jumps over the lazy dog. speculative decoding is lossless.\n"
+)
+
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+def build_tokenizer(vocab_size: int = 96):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:64], show_progress=False)
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    return tok
+
+
+def make_checkpoint(path, arch: str = "LlamaForCausalLM", *, vocab_size: int = 128, hidden_size: int = 64,
+                    layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate_size: int = 128,
+                    seed: int = 0, init_std: float = 0.2, eos_token_id: int | None = 1, tokenizer=None,
+                    dtype=torch.float32, **extra) -> Path:
+    """Save a random ``arch`` model with ``save_pretrained`` and return its directory."""
+    import transformers
+
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate_size,
+                  max_position_embeddings=512, initializer_range=init_std, eos_token_id=eos_token_id,
+                  bos_token_id=None, pad_token_id=None, **extra)
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).to(dtype).eval()
+    path = Path(path)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def perturbed_copy(src, dst, noise: float, seed: int = 1) -> Path:
+    """A draft: the target's weights plus noise, so it agrees with the target often but not always."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            state = load_file(str(f))
+            state = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+                     for k, v in state.items()}
+            save_file(state, str(dst / f.name), metadata={"format": "pt"})
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def hf_greedy(path, prompt: list[int], max_new_tokens: int, eos: int | None = 1) -> list[int]:
+    """The target's own greedy output from HF transformers, cut after the first EOS."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    toks = out[0, len(prompt):].tolist()
+    if eos is not None and eos in toks:
+        toks = toks[: toks.index(eos) + 1]
+    return toks
+
+
+def write_json(path, obj) -> None:
+    Path(path).write_text(json.dumps(obj))

@@ -1,0 +1,145 @@
+"""The static-KV decoder against HF transformers' own forward, and the loader's errors."""
+import json
+
+import pytest
+import torch
+from helpers import ARCHS, make_checkpoint
+
+from spec_graph.models import CheckpointError, load_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+VARIANTS = {
+    "LlamaForCausalLM": dict(rope_scaling=LLAMA3_ROPE, attention_bias=True, rope_theta=500000.0),
+    "Qwen2ForCausalLM": dict(rope_theta=1e6),
+    "Qwen3ForCausalLM": dict(head_dim=24, tie_word_embeddings=True),
+    "MistralForCausalLM": dict(sliding_window=6),
+}
+
+
+def _hf_logits(path, ids):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv_heads", [1, 2])  # MQA and GQA
+def test_logits_match_hf(tmp_path, arch, kv_heads):
+    path = make_checkpoint(tmp_path / arch, arch, kv_heads=kv_heads, init_std=0.05, **VARIANTS[arch])
+    model = load_model(path, "float32")
+    torch.manual_seed(1)
+    lens = [5, 17, 11]  # different prompt lengths in one padded batch
+    T = max(lens)
+    toks = torch.randint(0, 128, (len(lens), T))
+    kv = model.new_kv_cache(4, 64)
+    slots = torch.tensor([3, 0, 2])
+    logits = model(toks, torch.arange(T).expand(len(lens), T), *kv, slots=slots)
+    for b, n in enumerate(lens):
+        ref = _hf_logits(path, toks[b, :n].tolist())
+        rel = ((logits[b, :n] - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-4, f"{arch} row {b}: relative error {rel:.2e}"
+
+
+def test_incremental_decode_matches_full_forward(tmp_path):
+    path = make_checkpoint(tmp_path / "m", kv_heads=2)
+    model = load_model(path)
+    toks = torch.randint(0, 128, (2, 12))
+    full = model(toks, torch.arange(12).expand(2, 12), *model.new_kv_cache(2, 32))
+    kv = model.new_kv_cache(2, 32)
+    model(toks[:, :8], torch.arange(8).expand(2, 8), *kv)
+    steps = [model(toks[:, t:t + 1], torch.full((2, 1), t), *kv)[:, 0] for t in range(8, 12)]
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtypes(tmp_path, dtype):
+    path = make_checkpoint(tmp_path / "m", init_std=0.05)
+    model = load_model(path, dtype)
+    assert model.model.embed_tokens.weight.dtype == dtype
+    kv = model.new_kv_cache(1, 16)
+    assert kv[0].dtype == dtype
+    out = model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], *kv)
+    ref = load_model(path, "float32")(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], *ref_kv(path))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 5e-2
+
+
+def ref_kv(path):
+    return load_model(path).new_kv_cache(1, 16)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    import transformers
+
+    path = make_checkpoint(tmp_path / "one")
+    m = transformers.AutoModelForCausalLM.from_pretrained(path)
+    m.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, b = load_model(path), load_model(tmp_path / "sharded")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+def test_error_missing_dir(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_error_missing_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_model(tmp_path / "m")
+
+
+def test_error_corrupt_config(tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_model(path)
+
+
+def test_error_unsupported_architecture(tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(path)
+
+
+def test_error_missing_weights(tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(path)
+
+
+def test_error_truncated_weights(tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_model(path)
+
+
+def test_error_shape_mismatch(tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mlp.*has shape .* implies"):
+        load_model(path)
+
+
+def test_error_missing_shard(tmp_path):
+    import transformers
+
+    path = make_checkpoint(tmp_path / "one")
+    transformers.AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "sh", max_shard_size="40KB")
+    shard = sorted((tmp_path / "sh").glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_model(tmp_path / "sh")
