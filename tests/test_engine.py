@@ -1,0 +1,198 @@
+"""The engine end to end: lossless greedy output against HF, acceptance bookkeeping, bad input."""
+import json
+
+import pytest
+import torch
+from helpers import hf_greedy, make_checkpoint, perturbed_copy
+
+from spec_graph import SpecDecoder, SpecGraphConfig
+
+PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 70], [3], [60, 61, 62, 63]]
+
+
+def decoder(target, draft, K=3, **cfg):
+    cfg.setdefault("max_len", 64)
+    return SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=K, **cfg))
+
+
+@pytest.fixture(scope="module")
+def references(llama_pair):
+    target, _ = llama_pair
+    return [hf_greedy(target, p, 20) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_greedy_equals_hf_with_different_draft(llama_pair, references, K):
+    target, draft = llama_pair
+    out = decoder(target, draft, K, max_batch_size=8).generate(PROMPTS, max_new_tokens=20)
+    for r, ref in zip(out, references):
+        assert r.token_ids == ref
+        assert r.finish_reason == ("stop" if ref[-1] == 1 else "length")
+    assert 0.0 < out.stats.acceptance_rate < 1.0  # the draft really differs, and sometimes agrees
+
+
+def test_queued_prompts_continuous_batching(llama_pair, references):
+    target, draft = llama_pair
+    out = decoder(target, draft, 3, max_batch_size=2, batch_buckets=(1, 2)).generate(PROMPTS, max_new_tokens=20)
+    assert [r.token_ids for r in out] == references
+    assert out.stats.prefills >= 3  # five prompts through two slots
+
+
+def test_unrelated_draft_architecture(tmp_path, llama_pair, references):
+    """A pair whose draft is an unrelated Qwen3 model: still the target's output, token for token."""
+    target, _ = llama_pair
+    draft = make_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM", vocab_size=96, hidden_size=32, layers=1,
+                            heads=2, kv_heads=1, head_dim=16, seed=7)
+    out = decoder(target, draft, 4).generate(PROMPTS, max_new_tokens=20)
+    assert [r.token_ids for r in out] == references
+
+
+def test_draft_equal_to_target_accepts_everything(llama_pair):
+    target, _ = llama_pair
+    out = decoder(target, target, 4).generate(PROMPTS, max_new_tokens=25)
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.acceptance_rate_per_position == [1.0] * 4
+    assert out.stats.tokens_per_step == 5.0
+
+
+def _independent_greedy_counts(target, draft, prompt, max_new, K):
+    """Plain-Python speculative greedy loop with HF models: per step, drafts accepted by the target."""
+    import transformers
+
+    t = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    d = transformers.AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    seq, counts, generated = list(prompt), [], 0
+    with torch.no_grad():
+        seq.append(int(t(torch.tensor([seq])).logits[0, -1].argmax()))  # the prefill's token
+        generated = 1
+        while generated < max_new:
+            props = []
+            for _ in range(K):
+                props.append(int(d(torch.tensor([seq + props])).logits[0, -1].argmax()))
+            targ = t(torch.tensor([seq + props])).logits[0, len(seq) - 1:].argmax(-1).tolist()
+            n = 0
+            while n < K and props[n] == targ[n]:
+                n += 1
+            counts.append(n)
+            new = props[:n] + [targ[n]]
+            seq += new
+            generated += len(new)
+    return counts
+
+
+def test_accepted_counts_match_independent_loop(tmp_path):
+    tgt = make_checkpoint(tmp_path / "t", vocab_size=96, eos_token_id=None)  # no EOS: every request runs full length
+    drf = perturbed_copy(tgt, tmp_path / "d", noise=0.15)
+    K, max_new = 3, 18
+    dec = decoder(tgt, drf, K)
+    calls = []
+    dec.target.register_forward_hook(lambda *a: calls.append(1))
+    out = dec.generate(PROMPTS[:3], max_new_tokens=max_new)
+    for p, r in zip(PROMPTS[:3], out):
+        assert len(r.token_ids) == max_new
+        assert r.accepted_counts == _independent_greedy_counts(tgt, drf, p, max_new, K)
+        assert 0 < sum(r.accepted_counts) < K * len(r.accepted_counts)
+    # One target forward per step (plus prefills): an engine decoding with the target alone would need more.
+    assert len(calls) == out.stats.steps + out.stats.prefills
+    longest = max(len(r.accepted_counts) for r in out)
+    assert out.stats.steps == longest < max_new - 1
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_max_new_tokens_is_exact(tmp_path, max_new):
+    tgt = make_checkpoint(tmp_path / "t", vocab_size=96, eos_token_id=None)
+    out = decoder(tgt, tgt, 4).generate(PROMPTS, max_new_tokens=max_new)
+    assert all(len(r.token_ids) == max_new and r.finish_reason == "length" for r in out)
+
+
+def test_stop_token_ids(llama_pair, references):
+    target, draft = llama_pair
+    ref = references[0]
+    stop = ref[5]
+    out = decoder(target, draft, 3).generate([PROMPTS[0]], max_new_tokens=20, stop_token_ids=[stop])
+    assert out[0].token_ids == ref[: ref.index(stop) + 1]
+    assert out[0].finish_reason == "stop"
+
+
+def test_text_prompts_use_target_tokenizer(llama_pair, tokenizer):
+    target, draft = llama_pair
+    dec = decoder(target, draft, 2)
+    text = "def add(a, b):"
+    ids = tokenizer.encode(text).ids
+    by_text, by_ids = dec.generate([text], 8), dec.generate([ids], 8)
+    assert by_text[0].token_ids == by_ids[0].token_ids
+    assert by_text[0].text == tokenizer.decode(by_text[0].token_ids)
+    assert by_text[0].prompt_token_ids == ids
+
+
+def test_nan_logits_fail_one_request_only(tmp_path, references):
+    tgt = make_checkpoint(tmp_path / "t", vocab_size=96, tokenizer=None)
+    clean = [hf_greedy(tgt, p, 12) for p in PROMPTS]
+    poison = next(t for t in range(2, 96) if t not in {x for r in clean for x in r} and t not in sum(PROMPTS, []))
+    from safetensors.torch import load_file, save_file
+
+    f = tgt / "model.safetensors"
+    state = load_file(str(f))
+    state["model.embed_tokens.weight"][poison] = float("nan")
+    save_file(state, str(f), metadata={"format": "pt"})
+    bad = PROMPTS[2][:4] + [poison] + PROMPTS[2][4:]
+    prompts = [PROMPTS[0], bad, PROMPTS[1], PROMPTS[3]]
+    out = decoder(tgt, tgt, 3, max_batch_size=2, batch_buckets=(2,)).generate(prompts, max_new_tokens=12)
+    assert out[1].finish_reason == "error"
+    assert [out[i].token_ids for i in (0, 2, 3)] == [clean[0], clean[1], clean[3]]
+
+
+# ---------------------------------------------------------------- bad input
+def test_error_vocab_mismatch(tmp_path, llama_pair):
+    target, _ = llama_pair
+    other = make_checkpoint(tmp_path / "v", vocab_size=100)
+    with pytest.raises(ValueError, match="vocab size 100 .* differs"):
+        decoder(target, other)
+
+
+@pytest.mark.parametrize("K", [0, 17, -1])
+def test_error_k_out_of_range(K):
+    with pytest.raises(ValueError, match="1..16"):
+        SpecGraphConfig(num_speculative_tokens=K)
+
+
+def test_error_empty_prompt(llama_pair):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder(*llama_pair).generate([[1, 2], []], 4)
+
+
+def test_error_too_long(llama_pair):
+    with pytest.raises(ValueError, match="max_len=64"):
+        decoder(*llama_pair).generate([[1] * 60], 10)
+
+
+def test_error_token_out_of_range(llama_pair):
+    with pytest.raises(ValueError, match="out of range"):
+        decoder(*llama_pair).generate([[1, 96]], 4)
+    with pytest.raises(ValueError, match="out of range"):
+        decoder(*llama_pair).generate([[1, -1]], 4)
+
+
+def test_error_unknown_architecture(tmp_path, llama_pair):
+    target, _ = llama_pair
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'FalconForCausalLM'"):
+        decoder(target, bad)
+
+
+def test_error_sampling_params(llama_pair):
+    dec = decoder(*llama_pair)
+    for kw in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            dec.generate([[1, 2]], 4, **kw)
+
+
+def test_bad_request_does_not_disturb_the_next_call(llama_pair, references):
+    dec = decoder(*llama_pair)
+    with pytest.raises(ValueError):
+        dec.generate([PROMPTS[0], []], 20)
+    assert dec.generate([PROMPTS[0]], 20)[0].token_ids == references[0]
