@@ -17,9 +17,8 @@ def _int_list(text: str) -> list[int]:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, as errors elsewhere
-        self.print_usage(sys.stderr)
-        print(f"spec-graph: error: {message}", file=sys.stderr)
+    def error(self, message):  # one line and exit 2, like every other error
+        print(f"spec-graph: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
