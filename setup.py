@@ -26,5 +26,8 @@ setup(
         "test": ["pytest", "hypothesis", "transformers", "scipy", "triton>=3.6; platform_system == 'Linux'"],
         "vllm": ["vllm>=0.32"],
     },
-    entry_points={"console_scripts": ["spec-graph = spec_graph.cli:main"]},
+    entry_points={
+        "console_scripts": ["spec-graph = spec_graph.cli:main"],
+        "torch_dynamo_backends": ["spec_graph = spec_graph.backend:spec_graph_backend"],
+    },
 )

@@ -7,6 +7,11 @@ _EXPORTS = {
     "GenerationOutput": "engine",
     "GenerationResult": "engine",
     "GenerationStats": "engine",
+    "compile": "compile_api",
+    "check": "compile_api",
+    "HostSyncError": "passes.host_sync",
+    "HostSyncReport": "passes.host_sync",
+    "SpecGraphWarning": "passes.host_sync",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -18,7 +18,8 @@ class SpecGraphConfig:
     device: "cuda", "npu", "cpu" or None for the best one found.
     batch_buckets: padded batch sizes the step is built for.
     enable_graph: capture the step in static graphs; None means on where the platform has graphs.
-    steps_per_graph: speculative steps per captured graph replay.
+    steps_per_graph: speculative steps per captured graph replay (the host reads once per replay).
+    passes: {fusion pass name: bool} to turn spec_graph backend passes on or off.
     """
 
     num_speculative_tokens: int = 4
@@ -29,6 +30,7 @@ class SpecGraphConfig:
     batch_buckets: tuple[int, ...] = field(default_factory=lambda: DEFAULT_BUCKETS)
     enable_graph: bool | None = None
     steps_per_graph: int = 1
+    passes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         k = self.num_speculative_tokens

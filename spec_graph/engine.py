@@ -7,6 +7,7 @@ only which rows finished. Everything per token lives on the device.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from typing import Sequence
 import torch
 
 from . import platform
+from .capture import GraphSet
 from .config import SpecGraphConfig
 from .kernels import PLACEHOLDER, race_sample
 from .models import load_model, parse_dtype, read_config
@@ -24,6 +26,9 @@ from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS, speculative_step
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
+MAX_STOP_IDS = 64
+_WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
+log = logging.getLogger("spec_graph")
 
 
 @dataclass
@@ -83,7 +88,7 @@ def _load_tokenizer(path: str):
 
 
 class SpecDecoder:
-    def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=()):
+    def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=(), plat=None):
         self.target, self.draft, self.config, self.tokenizer = target, draft, config, tokenizer
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.vocab_size = target.args.vocab_size
@@ -93,7 +98,7 @@ class SpecDecoder:
                 "speculative decoding needs a draft that shares the target's tokenizer"
             )
         self.device = target.model.embed_tokens.weight.device
-        self.platform = platform.get(self.device)
+        self.platform = plat or platform.get(self.device)
         K, S = config.num_speculative_tokens, config.max_batch_size
         self.K = K
         self.rows = config.bucket_for(S)  # state rows: room for the largest bucket the slots may need
@@ -114,6 +119,13 @@ class SpecDecoder:
         assert set(self.state) == set(STATE_FIELDS)
         self.out_buf = torch.full((R, config.max_len), PLACEHOLDER, **i64)
         self.acc_log = torch.zeros(R, config.max_len, **i64)
+        self.stop_buf = torch.full((MAX_STOP_IDS,), PLACEHOLDER, **i64)
+        # Graphs: compiled by the spec_graph backend; captured per bucket where the platform can.
+        self.compiled = config.enable_graph if config.enable_graph is not None else self.platform.supports_graphs
+        self.graphs = GraphSet(self.platform) if self.compiled and self.platform.supports_graphs else None
+        self._fns: dict = {}
+        self._captured_modes: set = set()
+        self._fallback_warned = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -214,14 +226,57 @@ class SpecDecoder:
         self.acc_log[slot_t] = 0
 
     # ------------------------------------------------------------------ step
-    def _step(self, B: int, stop_ids: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def _step_args(self, B: int) -> tuple:
         st = {k: v[:B] for k, v in self.state.items()}
+        return st, self.out_buf[:B], self.acc_log[:B], self.stop_buf, self.draft_kv, self.target_kv
+
+    def _step_fn(self, greedy: bool):
+        """The one-step function over static buffers: eager, or compiled by the spec_graph backend."""
+        fn = self._fns.get(greedy)
+        if fn is None:
+            draft, target, K, compiled = self.draft, self.target, self.K, self.compiled
+
+            def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
+                new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
+                                       greedy, fused=not compiled)
+                for k in _WRITEBACK:
+                    st[k].copy_(new[k])
+
+            fn = one_step
+            if compiled:
+                from .backend import spec_graph_backend
+
+                fn = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
+                                   options={"capture": False, "device": self.platform.name,
+                                            "passes": dict(self.config.passes)})
+            self._fns[greedy] = fn
+        return fn
+
+    def _capture(self, greedy: bool) -> None:
+        """Capture every bucket's N-step graph, while no row is active (warm-up runs for real)."""
+        if self.graphs is None or greedy in self._captured_modes:
+            return
+        fn, N = self._step_fn(greedy), self.config.steps_per_graph
         with torch.inference_mode():
-            new = speculative_step(self.draft, self.target, self.draft_kv, self.target_kv, st,
-                                   self.out_buf[:B], self.acc_log[:B], stop_ids, self.K, greedy)
-            for k in ("tail", "seq_lens", "n_out", "active", "error", "steps"):
-                st[k].copy_(new[k])
-        return new["finished"]
+            for b in sorted((b for b in self.config.batch_buckets if b <= self.rows), reverse=True):
+                args = self._step_args(b)
+                self.graphs.capture((greedy, b), lambda a=args: [fn(*a) for _ in range(N)])
+        self._captured_modes.add(greedy)
+
+    def _run_steps(self, B: int, greedy: bool) -> None:
+        """N speculative steps over rows [0, B): one graph replay where a graph exists."""
+        key = (greedy, B)
+        if self.graphs is not None and key in self.graphs:
+            self.graphs.replay(key)
+            return
+        if self.graphs is not None and not self._fallback_warned:
+            self._fallback_warned = True
+            why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
+            log.warning("spec-graph: running the step uncaptured (%s)", why)
+        fn, args = self._step_fn(greedy), self._step_args(B)
+        with torch.inference_mode():
+            for _ in range(self.config.steps_per_graph):
+                fn(*args)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -234,8 +289,13 @@ class SpecDecoder:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t!r} is out of range [0, {self.vocab_size})")
             stops.append(t)
-        stop_ids = torch.tensor(sorted(set(stops)) or [PLACEHOLDER], dtype=torch.long, device=self.device)
         stop_set = set(stops)
+        if len(stop_set) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop_set)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
+        self.stop_buf.fill_(PLACEHOLDER)
+        self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
+        stop_ids = self.stop_buf
+        self._capture(params.greedy)
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
         req_seeds = [(seed * _SEED_MIX[0] + (i + 1) * _SEED_MIX[1]) % (1 << 63) for i in range(len(encoded))]
@@ -280,9 +340,10 @@ class SpecDecoder:
             if not busy:
                 continue
             B = self.config.bucket_for(max(busy) + 1)
-            finished = self._step(B, stop_ids, params.greedy)
-            steps += 1
-            finish([s for s, f in enumerate(finished.tolist()) if f and owner[s] is not None])
+            self._run_steps(B, params.greedy)
+            steps += self.config.steps_per_graph
+            active = self.state["active"][:B].tolist()  # the one host read per replay
+            finish([s for s in busy if not active[s]])
 
         return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0))
 

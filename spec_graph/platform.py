@@ -5,6 +5,7 @@ Everything else asks this module; no other file names ``torch.cuda`` or
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -45,6 +46,62 @@ class Platform:
         if self.name == "cuda":
             return min(DEFAULT_MAX_PROGRAMS, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
         return DEFAULT_MAX_PROGRAMS
+
+    # ---- static graphs (CUDA graph / ACL graph); the only place that names them
+    def new_graph(self):
+        if self.name == "cuda":
+            return torch.cuda.CUDAGraph()
+        if self.name == "npu":
+            return torch.npu.NPUGraph()  # type: ignore[attr-defined]
+        raise RuntimeError("static graphs need a CUDA or NPU device; on CPU the compiled step runs as is")
+
+    def graph_pool(self):
+        if self.name == "cuda":
+            return torch.cuda.graph_pool_handle()
+        if self.name == "npu":
+            return torch.npu.graph_pool_handle()  # type: ignore[attr-defined]
+        return None
+
+    def new_stream(self):
+        if self.name == "cuda":
+            return torch.cuda.Stream()
+        if self.name == "npu":
+            return torch.npu.Stream()  # type: ignore[attr-defined]
+        return None
+
+    def record(self, graph, fn, pool=None, stream=None):
+        """Record the work `fn()` issues into `graph` (nothing runs); return fn's static outputs."""
+        if self.name == "cuda":
+            ctx = torch.cuda.graph(graph, pool=pool, stream=stream)
+        elif self.name == "npu":
+            ctx = torch.npu.graph(graph, pool=pool, stream=stream)  # type: ignore[attr-defined]
+        else:
+            raise RuntimeError("static graphs need a CUDA or NPU device")
+        with ctx:
+            return fn()
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+    def on_side_stream(self, stream):
+        """Context manager running work on `stream`, ordered after the current stream's work."""
+        if self.name == "cuda":
+            stream.wait_stream(torch.cuda.current_stream())
+            return torch.cuda.stream(stream)
+        if self.name == "npu":
+            stream.wait_stream(torch.npu.current_stream())  # type: ignore[attr-defined]
+            return torch.npu.stream(stream)  # type: ignore[attr-defined]
+        return contextlib.nullcontext()
+
+    def join_stream(self, stream) -> None:
+        if self.name == "cuda":
+            torch.cuda.current_stream().wait_stream(stream)
+        elif self.name == "npu":
+            torch.npu.current_stream().wait_stream(stream)  # type: ignore[attr-defined]
+
+    def compile_backend(self):
+        """The compiler under spec-graph's passes: inductor, or torch_npu's graph backend on Ascend."""
+        return "npu" if self.name == "npu" else "inductor"
 
     def device_name(self) -> str:
         if self.name == "cuda":

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .kernels import DRAFT_POS_BASE, greedy_accept_prepare, prepare_next, race_sample
+from .kernels import (DRAFT_POS_BASE, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
+                      prepare_next_ref, race_sample)
 from .sampling import logits_to_probs
 
 # Module-level so that tests can swap in deliberately broken samplers.
@@ -29,13 +30,16 @@ STATE_FIELDS = ("tail", "seq_lens", "n_out", "max_new", "active", "error", "seed
 
 
 def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: torch.Tensor,
-                     acc_log: torch.Tensor, stop_ids: torch.Tensor, K: int, greedy: bool) -> dict:
+                     acc_log: torch.Tensor, stop_ids: torch.Tensor, K: int, greedy: bool,
+                     fused: bool = True) -> dict:
     """One speculative step over ``B = state["tail"].shape[0]`` rows.
 
     ``state`` holds ``[B]``-leading tensors (see ``STATE_FIELDS``); the new
     values come back in a dict. ``out_buf [B, L]`` (generated tokens) and
     ``acc_log [B, L]`` (accepted drafts per step) and the KV caches are
-    updated in place.
+    updated in place. ``fused=False`` writes acceptance, counting and input
+    preparation in their plain-torch reference formulation, which the
+    ``spec_graph`` backend's fusion passes turn back into the fused ops.
     """
     tail, c, active = state["tail"], state["seq_lens"], state["active"]
     seeds, steps = state["seeds"], state["steps"]
@@ -74,10 +78,12 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     # 3 + 4. rejection, counting, next inputs, output append
     args = (ok, tail, c, state["n_out"], state["max_new"], stop_ids, out_buf)
     if greedy:
-        _, num_acc, _, new_tail, new_c, new_n, done = greedy_accept_prepare(draft_ids, tlogits.argmax(-1), *args)
+        accept = greedy_accept_prepare if fused else greedy_accept_prepare_ref
+        _, num_acc, _, new_tail, new_c, new_n, done = accept(draft_ids, tlogits.argmax(-1), *args)
     else:
         sampled, _ = rejection_sample(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)
-        num_acc, _, new_tail, new_c, new_n, done = prepare_next(sampled, *args)
+        prep = prepare_next if fused else prepare_next_ref
+        num_acc, _, new_tail, new_c, new_n, done = prep(sampled, *args)
 
     col = (steps - 1).clamp(0, acc_log.shape[1] - 1)
     acc_log.index_put_((rows, col), torch.where(ok, num_acc, acc_log[rows, col]))
@@ -89,5 +95,4 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
         "active": ok & ~done,
         "error": state["error"] | failed,
         "steps": steps + ok.long(),
-        "finished": (ok & done) | failed,
     }

@@ -1,0 +1,94 @@
+"""The ``spec_graph`` torch.compile backend: host-sync check -> fusion passes -> inductor
+(or torch_npu's backend) -> one static graph per input-shape bucket.
+
+The installed package registers it through the ``torch_dynamo_backends``
+entry point, so ``torch.compile(fn, backend="spec_graph")`` works without
+importing spec_graph first; ``register()`` does the same for a source tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import platform as _platform
+from .capture import CapturedFunction
+from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
+from .passes.manager import PassManager
+
+BACKEND_NAME = "spec_graph"
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class BackendOptions:
+    """``options={...}`` of ``torch.compile(backend="spec_graph")``.
+
+    passes: {pass name: bool} to turn passes on or off (see ``PassManager.names()``).
+    capture: record static graphs on CUDA/NPU (default True); False returns the compiled function.
+    device: "cuda" | "npu" | "cpu", default: where the graph's inputs live.
+    inductor: extra inductor config patches.
+    """
+
+    passes: dict = field(default_factory=dict)
+    capture: bool = True
+    device: str | None = None
+    inductor: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, options: dict | None) -> "BackendOptions":
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown spec_graph backend option(s) {unknown}; known: {sorted(known)}")
+        opts = cls(**options)
+        bad = sorted(set(opts.passes) - set(PassManager.names()))
+        if bad:
+            raise ValueError(f"unknown pass name(s) {bad} in options['passes']; known: {PassManager.names()}")
+        return opts
+
+
+def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+                       options: dict | None = None, **kwargs: Any):
+    if mode not in _MODES:
+        raise ValueError(f"unknown mode {mode!r} for the spec_graph backend; use one of {_MODES[1:]}")
+    opts = BackendOptions.parse(options)
+    warn_if_split(gm)
+    findings = find_host_reads(gm)
+    if findings:
+        raise HostSyncError(findings)
+    plat = _platform.get(opts.device or _input_device(example_inputs))
+    passes = PassManager(enabled=opts.passes)
+    if plat.compile_backend() == "npu":
+        from .passes.npu_backend import compile_npu
+
+        compiled = compile_npu(gm, example_inputs, passes)
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"post_grad_custom_post_pass": passes, **opts.inductor}
+        if mode and mode.startswith("max-autotune"):
+            patches.setdefault("max_autotune", True)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if plat.supports_graphs and opts.capture:
+        return CapturedFunction(compiled, plat)
+    return compiled
+
+
+def _input_device(example_inputs) -> str | None:
+    """The device the graph's tensors live on (None: the platform found)."""
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.device.type
+    return None
+
+
+def register() -> None:
+    """Register the backend by name; idempotent. Not run on import: torch's entry-point loader
+    registers the function itself after importing this module, and a second registration is an error."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if BACKEND_NAME not in _COMPILER_FNS:
+        register_backend(spec_graph_backend, name=BACKEND_NAME)

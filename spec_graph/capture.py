@@ -1,0 +1,119 @@
+"""Static-graph capture per batch bucket, and replay, through the platform seam.
+
+``GraphSet`` records no-argument callables over static buffers (the engine's
+state, KV caches and output buffers live at fixed addresses), one graph per
+key, all in one memory pool. ``CapturedFunction`` does the same for an
+arbitrary compiled function, keyed by its input shapes, for the
+``spec_graph`` torch.compile backend.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from . import platform as _platform
+
+log = logging.getLogger("spec_graph")
+
+WARMUP_RUNS = 2
+
+
+class GraphSet:
+    """Graphs keyed by (e.g.) batch bucket, sharing one memory pool.
+
+    ``capture(key, fn)`` warms ``fn`` up, then records it. ``fn`` runs for real
+    during warm-up, so capture only while its side effects are harmless (the
+    engine captures while every row is inactive). A capture that fails leaves
+    the key uncaptured and logs one warning; callers then run ``fn`` directly.
+    """
+
+    def __init__(self, plat: "_platform.Platform"):
+        self.platform = plat
+        self.pool = plat.graph_pool()
+        self.graphs: dict[Any, Any] = {}
+        self.outputs: dict[Any, Any] = {}
+        self.failed: dict[Any, str] = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
+
+    def capture(self, key, fn: Callable[[], Any], warmup: int = WARMUP_RUNS) -> bool:
+        plat = self.platform
+        try:
+            stream = plat.new_stream()
+            with plat.on_side_stream(stream):
+                for _ in range(warmup):
+                    fn()
+            plat.join_stream(stream)
+            plat.synchronize()
+            graph = plat.new_graph()
+            out = plat.record(graph, fn, pool=self.pool, stream=stream)
+            plat.synchronize()
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to the uncaptured path
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
+            return False
+        self.graphs[key] = graph
+        self.outputs[key] = out
+        return True
+
+    def replay(self, key):
+        out = self.platform.replay(self.graphs[key])
+        # A real graph refreshes the static outputs in place; a stand-in platform may return fresh ones.
+        return self.outputs[key] if out is None else out
+
+
+def _key(args) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else type(a)
+                 for a in args)
+
+
+class CapturedFunction:
+    """Wraps a compiled function: one static graph per input-shape key, replayed thereafter.
+
+    The first call with a new key runs for real (warm-up); the second records
+    the graph with the call's own tensors as the static inputs and replays it
+    once, so every call's side effects happen exactly once. Later calls copy
+    inputs whose storage moved into the static ones (and copy them back
+    afterwards, since the function may update inputs in place), replay, and
+    return copies of the outputs.
+    """
+
+    def __init__(self, fn: Callable, plat: "_platform.Platform", graphs: GraphSet | None = None):
+        self.fn = fn
+        self.platform = plat
+        self.graphs = graphs or GraphSet(plat)
+        self.seen: set = set()
+        self.static_args: dict[tuple, list] = {}
+        self.fallback_warned = False
+
+    def __call__(self, *args):
+        key = _key(args)
+        if key in self.graphs:
+            static = self.static_args[key]
+            moved = [(s, a) for s, a in zip(static, args)
+                     if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr()]
+            for s, a in moved:
+                s.copy_(a)
+            out = self.graphs.replay(key)
+            for s, a in moved:
+                a.copy_(s)
+            return _clone(out)
+        if key not in self.seen or key in self.graphs.failed:
+            self.seen.add(key)
+            return self.fn(*args)
+        static = list(args)
+        if not self.graphs.capture(key, lambda: self.fn(*static), warmup=0):
+            return self.fn(*args)
+        self.static_args[key] = static
+        return _clone(self.graphs.replay(key))
+
+
+def _clone(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_clone(o) for o in out)
+    return out

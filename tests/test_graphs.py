@@ -1,0 +1,210 @@
+"""Compiled and captured engine paths on CPU: compiled == eager tokens, N-step == 1-step,
+the platform seam (with a stand-in platform that records and replays), the oversized-batch
+fallback, and the backend's entry point."""
+import logging
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph.capture import CapturedFunction, GraphSet
+from spec_graph.platform import Platform
+
+PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63], [20, 21, 22]]
+PKG = Path(__file__).parents[1] / "spec_graph"
+
+
+class FakeGraph:
+    def __init__(self, log):
+        self.fn, self.log = None, log
+
+    def replay(self):
+        self.log.append("replay")
+        return self.fn()
+
+
+@dataclass(frozen=True)
+class FakePlatform(Platform):
+    """A CPU platform that 'captures' by keeping the callable and 'replays' by calling it."""
+
+    events: list = None
+
+    @property
+    def supports_graphs(self):
+        return True
+
+    def new_graph(self):
+        self.events.append("new_graph")
+        return FakeGraph(self.events)
+
+    def graph_pool(self):
+        return "pool"
+
+    def new_stream(self):
+        return None
+
+    def record(self, graph, fn, pool=None, stream=None):
+        assert pool == "pool"
+        self.events.append("record")
+        graph.fn = fn
+
+    def replay(self, graph):
+        return graph.replay()
+
+    def synchronize(self):
+        pass
+
+
+def fake_platform():
+    return FakePlatform("cpu", [])
+
+
+def engine(pair, plat=None, compile_step=True, **cfg):
+    """An engine; with compile_step=False the captured step is the eager one (inductor compiles on
+    CPU take tens of seconds, and the capture tests are about capture and replay, not compilation)."""
+    cfg.setdefault("num_speculative_tokens", 3)
+    cfg.setdefault("max_len", 64)
+    target, draft = pair
+    base = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(**cfg))
+    if plat is None:
+        return base
+    dec = SpecDecoder(base.target, base.draft, base.config, base.tokenizer, base.eos_token_ids, plat=plat)
+    dec.compiled = compile_step
+    return dec
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(llama_pair):
+    return [r.token_ids for r in engine(llama_pair, max_batch_size=4).generate(PROMPTS, 20)]
+
+
+def test_compiled_engine_equals_eager(llama_pair, eager_tokens):
+    dec = engine(llama_pair, enable_graph=True, max_batch_size=4, batch_buckets=(4,))
+    assert dec.compiled and dec.graphs is None  # CPU: compiled, no capture
+    assert [r.token_ids for r in dec.generate(PROMPTS, 20)] == eager_tokens
+
+
+def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, enable_graph=True, max_batch_size=4, batch_buckets=(4,), steps_per_graph=2)
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert plat.events.count("record") == 1 and out.stats.steps == 2 * plat.events.count("replay")
+
+
+def test_captured_through_platform_seam(llama_pair, eager_tokens):
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(1, 2, 4))
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert plat.events.count("record") == 3  # one graph per bucket
+    assert plat.events.count("replay") == out.stats.steps  # every step ran as a replay
+    assert set(dec.graphs.graphs) == {(True, 1), (True, 2), (True, 4)}
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_multi_step_equals_single_step(llama_pair, eager_tokens, n):
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(2, 4), steps_per_graph=n)
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    # the host reads once per replay, and a replay runs n steps
+    assert out.stats.steps == n * plat.events.count("replay")
+
+
+def test_multi_step_sampling_equals_single_step(llama_pair):
+    one = engine(llama_pair, max_batch_size=4).generate(PROMPTS, 16, temperature=0.9, top_k=20, seed=7)
+    many = engine(llama_pair, plat=fake_platform(), compile_step=False, enable_graph=True, max_batch_size=4,
+                  batch_buckets=(4,), steps_per_graph=4).generate(PROMPTS, 16, temperature=0.9, top_k=20, seed=7)
+    assert [r.token_ids for r in one] == [r.token_ids for r in many]
+
+
+def test_oversized_batch_falls_back_with_one_warning(llama_pair, eager_tokens, caplog):
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(1, 2))
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    warnings = [r for r in caplog.records if "uncaptured" in r.getMessage()]
+    assert len(warnings) == 1 and "over the largest bucket" in warnings[0].getMessage()
+
+
+def test_failed_capture_falls_back(llama_pair, eager_tokens, caplog):
+    class Broken(FakePlatform):
+        def record(self, graph, fn, pool=None, stream=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    dec = engine(llama_pair, plat=Broken("cpu", []), compile_step=False, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(4,))
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert dec.graphs.failed and any("capture" in r.getMessage() for r in caplog.records)
+
+
+def test_captured_function_runs_each_call_once():
+    plat = fake_platform()
+    calls = []
+
+    def fn(x, buf):
+        calls.append(1)
+        buf.add_(x)
+        return buf * 2
+
+    cf = CapturedFunction(fn, plat)
+    buf = torch.zeros(3)
+    for i in range(4):
+        out = cf(torch.ones(3), buf)
+    assert torch.equal(buf, torch.full((3,), 4.0)) and torch.equal(out, torch.full((3,), 8.0))
+    assert plat.events.count("record") == 1 and plat.events.count("replay") == 3
+    moved = torch.zeros(3)  # a new storage: copied into the static input, then back
+    cf(torch.ones(3), moved)
+    assert torch.equal(moved, torch.ones(3))
+
+
+def test_graph_set_shares_one_pool():
+    plat = fake_platform()
+    gs = GraphSet(plat)
+    for b in (1, 2, 4):
+        assert gs.capture(b, lambda: None, warmup=1)
+    assert gs.pool == "pool" and len(gs.graphs) == 3
+
+
+def test_only_platform_names_device_apis():
+    pattern = re.compile(r"torch\.(cuda|npu)\.|torch_npu\.npu\.")
+    offenders = []
+    for f in PKG.rglob("*.py"):
+        if f.name == "platform.py":
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if pattern.search(line.split("#")[0]):
+                offenders.append(f"{f.relative_to(PKG)}:{i}: {line.strip()}")
+    assert not offenders, "device APIs outside platform.py:\n" + "\n".join(offenders)
+
+
+def _installed() -> bool:
+    return any(ep.name == "spec_graph" for ep in entry_points(group="torch_dynamo_backends"))
+
+
+@pytest.mark.skipif(not _installed(), reason="spec-graph is not pip-installed (no entry point)")
+def test_backend_entry_point_without_import():
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: (x * 2).sin(), backend='spec_graph', options={'capture': False})\n"
+        "assert 'spec_graph' not in sys.modules\n"
+        "x = torch.randn(8)\n"
+        "assert torch.allclose(f(x), (x * 2).sin())\n"
+        "assert 'spec_graph.backend' in sys.modules\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

@@ -1,0 +1,374 @@
+"""Host-sync check: spec_graph.compile / spec_graph.check / the FX pass / the split warning.
+
+The "models" are tiny torch-only toys (an embedding and a linear head) so every test runs in milliseconds;
+only ``test_clean_step_through_inductor`` compiles for real. Expected line numbers come from ``# SYNC: op``
+marker comments, read with inspect, so editing this file cannot break them.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import re
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+import spec_graph
+from spec_graph import backend as sg_backend
+from spec_graph.passes import host_sync
+from spec_graph.passes.host_sync import (Finding, GraphSplitWarning, HostSyncError, SpecGraphWarning,
+                                         find_host_reads, reset_split_warnings)
+
+K = 4
+V = 16
+HERE = os.path.abspath(__file__)
+CPU = {"device": "cpu"}  # the tensors here are CPU ones, also on a machine with a GPU
+
+
+class ToyLM(nn.Module):
+    """tokens [T] -> logits [T, V]."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = nn.Embedding(V, 8)
+        self.head = nn.Linear(8, V)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(V, 8, generator=g))
+            self.head.weight.copy_(torch.randn(V, 8, generator=g))
+            self.head.bias.zero_()
+        self.requires_grad_(False)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+TARGET = ToyLM(0)
+DRAFT = ToyLM(0)
+with torch.no_grad():  # a draft that agrees with the target on some tokens, not all
+    DRAFT.head.weight.add_(0.8 * torch.randn(V, 8, generator=torch.Generator().manual_seed(1)))
+
+
+def speculative_step(cur_token, input_pos):
+    """One greedy speculative step written the way gpt-fast writes it: host reads all over."""
+    draft_tokens = []
+    tok = cur_token.view(1)
+    for _ in range(K):  # draft K tokens, one forward each
+        tok = DRAFT(tok).argmax(-1)
+        draft_tokens.append(tok)
+    draft_tokens = torch.cat(draft_tokens)
+    # verify every draft with one target forward
+    target_tokens = TARGET(torch.cat([cur_token.view(1), draft_tokens])).argmax(-1)
+    accepted = (draft_tokens == target_tokens[:K]).int().cumprod(0)
+    n = accepted.sum().item()  # SYNC: item
+    rejected_locations = (accepted == 0).nonzero()  # SYNC: nonzero
+    if n == K:  # SYNC: branch
+        next_tokens = torch.cat([draft_tokens, target_tokens[K:]])
+    else:
+        next_tokens = torch.cat([draft_tokens[:n], target_tokens[n:n + 1]])
+    tokens = next_tokens.tolist()  # SYNC: tolist
+    new_pos = (input_pos + next_tokens.shape[0]).cpu()  # SYNC: cpu
+    return next_tokens, rejected_locations, tokens, new_pos
+
+
+def clean_step(cur_token, input_pos):
+    """The same step with no host read: counts stay tensors, the output has a static shape [K+1]
+    (accepted drafts, the target's token at the first rejected slot, then -1)."""
+    draft_tokens = []
+    tok = cur_token.view(1)
+    for _ in range(K):
+        tok = DRAFT(tok).argmax(-1)
+        draft_tokens.append(tok)
+    draft_tokens = torch.cat(draft_tokens)
+    target_tokens = TARGET(torch.cat([cur_token.view(1), draft_tokens])).argmax(-1)
+    n = (draft_tokens == target_tokens[:K]).int().cumprod(0).sum()
+    slots = torch.arange(K + 1, device=cur_token.device)
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((1,), -1)])
+    bonus = target_tokens.gather(0, n.view(1))
+    out = torch.where(slots < n, padded, torch.where(slots == n, bonus, torch.full_like(padded, -1)))
+    return out, n, input_pos + n + 1
+
+
+def _count(x):
+    return (x > 0).sum().item()  # SYNC: item
+
+
+def host_reads(x):
+    """Host reads that enter the graph when scalar / dynamic-shape capture is on."""
+    n = _count(x)
+    idx = torch.nonzero(x > 0)  # SYNC: nonzero
+    return x * n, idx
+
+
+def more_copies(x):
+    y = x.to("cpu")  # SYNC: to(cpu)
+    return y.numpy()  # SYNC: numpy
+
+
+def one_break(x):
+    y = x * 2
+    if y.sum() > 0:  # SYNC: branch
+        y = y + 1
+    return y - 1
+
+
+def no_break(x):
+    return torch.where(x.sum() > 0, x * 2 + 1, x * 2) - 1
+
+
+def expected(fn) -> set[tuple[str, int]]:
+    lines, start = inspect.getsourcelines(fn)
+    out = set()
+    for i, text in enumerate(lines):
+        m = re.search(r"# SYNC: (\S+)", text)
+        if m:
+            out.add((m.group(1), start + i))
+    return out
+
+
+def located(findings) -> set[tuple[str, int]]:
+    for f in findings:
+        assert os.path.abspath(f.file) == HERE, f  # the user's file, never torch internals
+    return {(f.op, f.line) for f in findings}
+
+
+def step_args(token: int = 3):
+    return torch.tensor(token), torch.tensor([10])
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    reset_split_warnings()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """Count the graphs that reach the spec_graph backend (and what its FX pass found in them)."""
+    calls = []
+    real = sg_backend.find_host_reads
+
+    def counting(gm):
+        found = real(gm)
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(sg_backend, "find_host_reads", counting)
+    return calls
+
+
+@pytest.fixture
+def eager_compile_stage(monkeypatch):
+    """Replace inductor by running the Dynamo graph as is (keeps these tests at milliseconds)."""
+    import torch._inductor.compile_fx as cfx
+
+    calls = []
+
+    def compile_fx(gm, example_inputs, **kwargs):
+        calls.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", compile_fx)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------------------
+# spec_graph.compile / spec_graph.check on the gpt-fast-style step
+# ------------------------------------------------------------------------------------------------------------
+def test_compile_raises_listing_every_sync_point(backend_calls, eager_compile_stage):
+    want = expected(speculative_step)
+    assert {op for op, _ in want} == {"item", "nonzero", "branch", "tolist", "cpu"}
+    step = spec_graph.compile(speculative_step, options=CPU)
+    with pytest.raises(HostSyncError) as info:
+        step(*step_args())
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert located(err.findings) == want
+    msg = str(err)
+    for f in err.findings:
+        assert f"{f.file}:{f.line}: {f.op} (" in msg
+    assert "torch.where" in msg and "mask" in msg and "static" in msg
+    assert not backend_calls and not eager_compile_stage  # nothing of the broken step was compiled
+
+
+def test_check_reports_the_same_list_without_raising():
+    report = spec_graph.check(speculative_step, *step_args())
+    assert not report.ok
+    assert located(report.findings) == expected(speculative_step)
+    assert [f.line for f in report.findings] == sorted(f.line for f in report.findings)
+    text = str(report)
+    for f in report.findings:
+        assert str(f) in text
+    # the same findings as the error raised by spec_graph.compile, and the same through a compiled wrapper
+    with pytest.raises(HostSyncError) as info:
+        spec_graph.compile(speculative_step, options=CPU)(*step_args())
+    assert info.value.findings == report.findings
+    assert spec_graph.check(spec_graph.compile(speculative_step), *step_args()).findings == report.findings
+
+
+def test_clean_step_reaches_backend_once_and_matches_eager(backend_calls, eager_compile_stage):
+    step = spec_graph.compile(clean_step, options=CPU)
+    for token in (3, 7, 11):
+        args = step_args(token)
+        got, want = step(*args), clean_step(*args)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    assert len(backend_calls) == 1 and backend_calls[0] == []  # one graph, no host read in it
+    assert len(eager_compile_stage) == 1
+
+
+def test_clean_step_agrees_with_the_host_sync_version():
+    for token in range(V):
+        args = step_args(token)
+        out, n, pos = clean_step(*args)
+        next_tokens, _, tokens, new_pos = speculative_step(*args)
+        assert int(n) + 1 == len(tokens)
+        assert out[: len(tokens)].tolist() == tokens and (out[len(tokens):] == -1).all()
+        assert int(pos) == int(new_pos)
+
+
+def test_check_leaves_no_compiled_state(backend_calls, eager_compile_stage):
+    assert spec_graph.check(clean_step, *step_args()).ok
+    assert spec_graph.check(speculative_step, *step_args()).findings
+    out = spec_graph.compile(clean_step, options=CPU)(*step_args())
+    torch.testing.assert_close(out[0], clean_step(*step_args())[0])
+    assert len(backend_calls) == 1
+
+
+def test_clean_step_through_inductor(backend_calls):
+    """The real path: the backend's passes and inductor (CPU) compile the clean step."""
+    step = spec_graph.compile(clean_step, options=CPU)
+    for token in (3, 5):
+        args = step_args(token)
+        for g, w in zip(step(*args), clean_step(*args)):
+            torch.testing.assert_close(g, w)
+    assert len(backend_calls) == 1 and backend_calls[0] == []
+
+
+def test_check_names_copies_and_numpy():
+    report = spec_graph.check(more_copies, torch.ones(3))
+    assert located(report.findings) == expected(more_copies)
+
+
+def test_compile_options_and_decorator(eager_compile_stage):
+    @spec_graph.compile(options={"capture": False, **CPU})
+    def f(x):
+        return x * 2
+
+    torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(TypeError):
+        spec_graph.compile(f, fullgraph=False)
+    with pytest.raises(Exception, match="unknown spec_graph backend option"):  # Dynamo wraps the backend's
+        spec_graph.compile(no_break, options={"nope": 1})(torch.ones(2))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The FX pass
+# ------------------------------------------------------------------------------------------------------------
+CAPTURE = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+def test_fx_pass_flags_item_and_nonzero_that_enter_the_graph():
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.append(find_host_reads(gm))
+        return gm.forward
+
+    with torch._dynamo.config.patch(**CAPTURE):
+        torch.compile(host_reads, backend=record, fullgraph=True)(torch.tensor([1.0, -2.0, 3.0]))
+    assert len(seen) == 1
+    assert located(seen[0]) == expected(_count) | expected(host_reads)
+
+
+def test_fx_pass_on_aten_graph():
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def fw(gm, example_inputs):
+        seen.append(find_host_reads(gm))
+        assert any("_local_scalar_dense" in str(n.target) for n in gm.graph.nodes)  # it is an aten graph
+        return gm.forward
+
+    with torch._dynamo.config.patch(**CAPTURE):
+        torch.compile(host_reads, backend=aot_autograd(fw_compiler=fw), fullgraph=True)(torch.tensor([1.0, -2.0]))
+    assert located(seen[0]) == expected(_count) | expected(host_reads)
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten._to_copy.default, (x,), {"device": torch.device("cpu")})
+    y.meta["stack_trace"] = '  File "/src/step.py", line 7, in step\n    y = x.to(device="cpu")\n'
+    z = g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.float16})  # no device: fine
+    g.output((y, z))
+    assert find_host_reads(g) == [Finding("_to_copy(device=cpu)", "/src/step.py", 7, "device->host copy")]
+
+
+def test_backend_rejects_host_reads_that_survive(eager_compile_stage):
+    with torch._dynamo.config.patch(**CAPTURE):
+        with pytest.raises(HostSyncError) as info:
+            spec_graph.compile(host_reads, options=CPU)(torch.tensor([1.0, -2.0, 3.0]))
+    assert info.value.__cause__ is None  # unwrapped from Dynamo's BackendCompilerFailed
+    assert located(info.value.findings) == expected(_count) | expected(host_reads)
+    assert not eager_compile_stage
+
+
+def test_clean_graph_has_no_findings():
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.append(find_host_reads(gm))
+        return gm.forward
+
+    with torch._dynamo.config.patch(**CAPTURE):
+        torch.compile(clean_step, backend=record, fullgraph=True)(*step_args())
+    assert seen == [[]]
+
+
+def test_error_message_and_pickling():
+    f = Finding("item", "/src/a.py", 12, "Tensor.item() reads a device value on the host")
+    assert str(f) == "/src/a.py:12: item (Tensor.item() reads a device value on the host)"
+    err = HostSyncError([f])
+    assert str(f) in str(err) and "torch.where" in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, HostSyncError) and again.findings == [f]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The split warning of a plain torch.compile(backend="spec_graph")
+# ------------------------------------------------------------------------------------------------------------
+def _split_warnings(fn, *inputs):
+    sg_backend.register()
+    compiled = torch.compile(fn, backend="spec_graph", options=CPU)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [compiled(x) for x in inputs]
+    for x, out in zip(inputs, outs):
+        torch.testing.assert_close(out, fn(x))
+    return [w for w in caught if issubclass(w.category, SpecGraphWarning)]
+
+
+def test_split_function_warns_once(backend_calls, eager_compile_stage):
+    x = torch.ones(3)
+    got = _split_warnings(one_break, x, -x, x * 3)
+    assert len(backend_calls) >= 2  # the function was split: the backend saw its pieces
+    assert len(got) == 1
+    w = got[0]
+    assert w.category is GraphSplitWarning
+    (_, line), = expected(one_break)
+    assert "one_break" in str(w.message) and f"{HERE}:{line}" in str(w.message)
+    assert os.path.abspath(w.filename) == HERE and w.lineno == line
+    assert "spec_graph.check" in str(w.message)
+
+
+def test_clean_function_does_not_warn(backend_calls, eager_compile_stage):
+    x = torch.ones(3)
+    assert _split_warnings(no_break, x, -x) == []
+    assert len(backend_calls) == 1
+    assert host_sync.warn_if_split(eager_compile_stage[0]) is False
