@@ -88,10 +88,10 @@ def test_sampled_joint_equals_target(far_pair, sampling):
 
 def _always_accept(draft_ids, draft_probs, target_probs, seeds, steps, active):
     B, K = draft_ids.shape
-    rows = torch.arange(B)
+    rows = torch.arange(B, device=draft_ids.device)
     bonus = race_sample(target_probs[:, K], seeds, steps, rows, K)
     sampled = torch.cat((draft_ids, bonus[:, None]), 1)
-    return torch.where(active[:, None], sampled, PLACEHOLDER), torch.full((B,), K)
+    return torch.where(active[:, None], sampled, PLACEHOLDER), torch.full((B,), K, device=draft_ids.device)
 
 
 def _resample_from_p(draft_ids, draft_probs, target_probs, seeds, steps, active):
@@ -100,9 +100,9 @@ def _resample_from_p(draft_ids, draft_probs, target_probs, seeds, steps, active)
 
     sampled, n = rejection_sample_ref(draft_ids, draft_probs, target_probs, seeds, steps, active)
     B, K1 = sampled.shape
-    rows = torch.arange(B)
+    rows = torch.arange(B, device=draft_ids.device)
     fix = torch.stack([race_sample(target_probs[:, j], seeds, steps, rows, j) for j in range(K1)], 1)
-    at_n = torch.arange(K1)[None] == n[:, None]
+    at_n = torch.arange(K1, device=n.device)[None] == n[:, None]
     rejected = (n < K1 - 1)[:, None] & at_n
     return torch.where(rejected, fix, sampled), n
 

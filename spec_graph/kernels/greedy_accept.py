@@ -7,8 +7,7 @@ row's sampled tokens plus its `valid` count and produce every per-row output.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 from .rng import block_for, num_programs, use_kernel, wrap_triton
 
@@ -175,6 +174,8 @@ def _greedy_accept_prepare_op(
     B, K = draft_token_ids.shape
     S = stop_ids.shape[0]
     outs = _new_outputs(B, K + 1, dev)
+    if out_buf.stride(1) != 1:
+        raise ValueError("out_buf rows must be contiguous (stride(1) == 1)")
     grid = (num_programs(B, max_programs, dev),)
     wrap_triton(_greedy_accept_prepare_kernel)[grid](
         draft_token_ids.contiguous(), target_argmax.contiguous(), active.contiguous(), tail.contiguous(),

@@ -6,8 +6,7 @@ this file only derives `valid` from the PLACEHOLDER padding of `sampled`.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER, prep_append_ref, tl_prep_append
 from .rng import block_for, num_programs, use_kernel, wrap_triton
@@ -62,6 +61,8 @@ def _prepare_next_op(
     i64 = dict(dtype=torch.int64, device=dev)
     outs = (torch.empty(B, **i64), torch.empty(B, **i64), torch.empty((B, 2), **i64), torch.empty(B, **i64),
             torch.empty(B, **i64), torch.empty(B, dtype=torch.bool, device=dev))
+    if out_buf.stride(1) != 1:
+        raise ValueError("out_buf rows must be contiguous (stride(1) == 1)")
     grid = (num_programs(B, max_programs, dev),)
     wrap_triton(_prepare_next_kernel)[grid](
         sampled.contiguous(), active.contiguous(), tail.contiguous(), seq_lens.contiguous(), n_out.contiguous(),

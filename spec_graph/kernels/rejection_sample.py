@@ -6,8 +6,7 @@ kernel and its torch reference draw the very same numbers and agree exactly.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER
 from .rng import (ACCEPT_COL, block_for, hash_uniform, num_programs, race_sample, tl_hash_uniform, tl_race_key,
@@ -46,7 +45,8 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
         step = tl.load(steps_ptr + b)
 
         # acceptance of all K drafts at once; n = first rejection
-        # masks are built from per-row limits (0 on inactive rows), never by `block & scalar_bool`
+        # masks come from per-row limits (0 on inactive rows), not `block & scalar_bool`,
+        # whose broadcast the Triton interpreter mis-types
         k_lim = tl.where(is_active, K, 0)
         d = tl.load(draft_ptr + b * K + offs, mask=offs < K, other=0)
         ok_id = (offs < k_lim) & (d >= 0) & (d < V)

@@ -11,8 +11,7 @@ Also home to the small launch helpers the three kernel files share.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 from .. import platform
 
@@ -130,8 +129,9 @@ def _hash_uniform_kernel(seed_ptr, step_ptr, row_ptr, pos_ptr, col_ptr, out_ptr,
 
 
 def hash_uniform_triton(seed, step, row, pos, col) -> torch.Tensor:
-    """`hash_uniform` computed by the Triton helper (for tests); flat int64 tensors of one shape."""
-    seed, step, row, pos, col = (t.to(torch.int64).contiguous() for t in torch.broadcast_tensors(seed, step, row, pos, col))
+    """`hash_uniform` computed by the Triton helper (for tests): int64 tensors that broadcast together."""
+    args = torch.broadcast_tensors(seed, step, row, pos, col)
+    seed, step, row, pos, col = (t.to(torch.int64).contiguous() for t in args)
     out = torch.empty(seed.shape, dtype=torch.float32, device=seed.device)
     n = seed.numel()
     block = 1024
@@ -152,11 +152,11 @@ def use_kernel(kernel, t: torch.Tensor) -> bool:
     while torch.compile / torch.export trace with fake tensors, the reference (same
     shapes, same semantics) stands in.
     """
+    if not platform.use_triton(t.device):
+        return False
     from torch._subclasses.fake_tensor import is_fake
     from triton.runtime.jit import JITFunction
 
-    if not platform.use_triton(t.device):
-        return False
     if isinstance(kernel, JITFunction):
         return t.device.type != "cpu"
     return not isinstance(tl.min, JITFunction) and not is_fake(t)

@@ -1,0 +1,63 @@
+"""GPU runs (CUDA/NPU): eager engine == HF, captured bf16 == eager bf16, N-step == 1-step, fallback."""
+import logging
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph.cli import DEFAULT_PAIR
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [list(b"def __init__(self, "), list(b"import "), list(b"    for i in range("), list(b"class Foo(object):\n"),
+           list(b"return ")]
+
+
+def pair_engine(**cfg):
+    cfg.setdefault("num_speculative_tokens", 4)
+    cfg.setdefault("max_len", 128)
+    cfg.setdefault("dtype", "bfloat16")
+    return SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", SpecGraphConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def eager_bf16():
+    dec = pair_engine(enable_graph=False, max_batch_size=4)
+    return [r.token_ids for r in dec.generate(PROMPTS, 48)]
+
+
+def test_eager_fp32_on_device_equals_hf(llama_pair):
+    target, draft = llama_pair
+    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=3, max_len=64,
+                                                                     dtype="float32", enable_graph=False))
+    assert dec.device.type != "cpu"
+    prompts = [[5, 9, 17, 33, 2], [40, 41], [3]]
+    out = dec.generate(prompts, 16)
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, 16) for p in prompts]
+
+
+def test_captured_equals_eager_bf16(eager_bf16):
+    dec = pair_engine(max_batch_size=4, batch_buckets=(1, 2, 4))
+    assert dec.graphs is not None
+    out = dec.generate(PROMPTS, 48)
+    assert set(dec.graphs.graphs) == {(True, 1), (True, 2), (True, 4)} and not dec.graphs.failed
+    assert [r.token_ids for r in out] == eager_bf16
+    assert out.stats.acceptance_rate > 0.5
+
+
+def test_multi_step_equals_single_step_captured(eager_bf16):
+    dec = pair_engine(max_batch_size=4, batch_buckets=(4,), steps_per_graph=8)
+    out = dec.generate(PROMPTS, 48)
+    assert [r.token_ids for r in out] == eager_bf16
+    s1 = pair_engine(max_batch_size=4, batch_buckets=(4,)).generate(PROMPTS, 40, temperature=0.8, seed=3)
+    s8 = dec.generate(PROMPTS, 40, temperature=0.8, seed=3)
+    assert [r.token_ids for r in s1] == [r.token_ids for r in s8]
+
+
+def test_oversized_batch_falls_back(eager_bf16, caplog):
+    dec = pair_engine(max_batch_size=4, batch_buckets=(1, 2))
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        out = dec.generate(PROMPTS, 48)
+    assert [r.token_ids for r in out] == eager_bf16
+    assert len([r for r in caplog.records if "uncaptured" in r.getMessage()]) == 1
