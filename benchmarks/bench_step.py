@@ -1,0 +1,485 @@
+"""Speculative-step latency on one GPU, side by side in one run.
+
+    python benchmarks/bench_step.py [--batch-sizes 1,8,32] [--iters 50] [--plot] [--out benchmarks/RESULTS.md]
+
+Random-weight Llama pair, bf16, K=4, context 512 (target 2048 x 16 layers,
+32/8 heads, inter 5632, vocab 32000, ~0.85B; draft 768 x 4 layers, 12/4
+heads, inter 2048, ~74M). Variants, in ms per speculative iteration:
+
+  (a) HF transformers assisted generation (num_assistant_tokens=4, constant), B=1 only
+  (b) gpt-fast style: each draft step and the verify compiled with mode="reduce-overhead",
+      acceptance decided on the host every iteration
+  (c) spec-graph: the whole step captured as one graph (fusion passes on; and off)
+  (d) spec-graph multi-step: 8 steps per graph, per step
+  (e) a captured target-only single-token decode step
+  and the bytes floor: weights + KV read per step over the measured copy bandwidth.
+
+Timings are CUDA-event medians after warm-up. Writes a table to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from spec_graph import SpecGraphConfig  # noqa: E402
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.capture import GraphSet  # noqa: E402
+from spec_graph.engine import SpecDecoder  # noqa: E402
+from spec_graph.kernels import PLACEHOLDER  # noqa: E402
+from spec_graph.models import load_model  # noqa: E402
+
+TARGET = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+              intermediate_size=5632, vocab_size=32000)
+DRAFT = dict(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
+             intermediate_size=2048, vocab_size=32000)
+K = 4
+CONTEXT = 512
+MAX_LEN = 640  # the static cache spans max_len + K + 2 positions; attention reads all of them
+
+
+def progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Bar:
+    """A minimal progress bar (compile and capture take minutes)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.n, self.label, self.t0 = total, 0, label, time.time()
+        self._draw()
+
+    def _draw(self):
+        w = 30
+        fill = int(w * self.n / max(self.total, 1))
+        print(f"\r  {self.label} [{'#' * fill}{'.' * (w - fill)}] {self.n}/{self.total} "
+              f"{time.time() - self.t0:5.0f}s", end="" if self.n < self.total else "\n", flush=True)
+
+    def step(self):
+        self.n += 1
+        self._draw()
+
+
+def median_ms(fn, iters: int, warmup: int = 5, setup=None) -> float:
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def make_pair(root: Path):
+    import transformers
+
+    dirs = []
+    for name, dims, seed in (("target", TARGET, 0), ("draft", DRAFT, 1)):
+        cfg = transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False,
+                                       eos_token_id=None, bos_token_id=None, **dims)
+        cfg.architectures = ["LlamaForCausalLM"]
+        torch.manual_seed(seed)
+        with torch.device("cuda"):
+            m = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        m.save_pretrained(root / name)
+        dirs.append((root / name, m))
+    return dirs
+
+
+# ----------------------------------------------------------------- (a) HF assisted generation
+def bench_hf(hf_target, hf_draft, iters: int) -> float:
+    hf_draft.generation_config.num_assistant_tokens = K
+    hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    if hasattr(hf_draft.generation_config, "assistant_confidence_threshold"):
+        hf_draft.generation_config.assistant_confidence_threshold = 0.0
+    calls = []
+    h = hf_target.register_forward_pre_hook(lambda *a: calls.append(time.perf_counter()))
+    ids = torch.randint(0, 32000, (1, CONTEXT), device="cuda")
+    per_iter = []
+    with torch.no_grad():
+        for rep in range(3):
+            calls.clear()
+            torch.cuda.synchronize()
+            hf_target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_draft,
+                               max_new_tokens=iters, min_new_tokens=iters, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            end = time.perf_counter()
+            # iterations = target forwards after the prefill; time from the first verify to the end
+            if len(calls) > 2 and rep > 0:
+                per_iter.append((end - calls[1]) / (len(calls) - 1) * 1e3)
+    h.remove()
+    return statistics.median(per_iter)
+
+
+# ----------------------------------------------------------------- (b) gpt-fast style
+class _Cached(torch.nn.Module):
+    """A model with its KV cache as module buffers, as gpt-fast keeps it."""
+
+    def __init__(self, model, B):
+        super().__init__()
+        self.model = model
+        k, v = model.new_kv_cache(B, MAX_LEN + K + 2)
+        self.register_buffer("k_cache", k)
+        self.register_buffer("v_cache", v)
+
+    def forward(self, tokens, positions):
+        return self.model(tokens, positions, self.k_cache, self.v_cache)
+
+
+def bench_gptfast(target, draft, B: int, iters: int, bar: Bar) -> float:
+    """gpt-fast's loop: K compiled draft decodes, a compiled verify, acceptance read on the host."""
+    t, d = _Cached(target, B), _Cached(draft, B)
+    decode = torch.compile(d, mode="reduce-overhead", fullgraph=True)
+    verify = torch.compile(t, mode="reduce-overhead", fullgraph=True)
+    prompt = torch.randint(0, 32000, (B, CONTEXT), device="cuda")
+    with torch.no_grad():
+        pos = torch.arange(CONTEXT, device="cuda").expand(B, CONTEXT)
+        t(prompt, pos)
+        d(prompt, pos)
+    # Positions stay at the 512-token context so every iteration costs the same.
+    base = torch.full((B, 1), CONTEXT, device="cuda")
+    vpos = base - 1 + torch.arange(K + 1, device="cuda")[None]
+    state = {"last": prompt[:, -1:].clone()}
+
+    def iteration():
+        cur, drafts = state["last"], []
+        for j in range(K):
+            cur = decode(cur, base - 1 + j)[:, -1].argmax(-1, keepdim=True)
+            drafts.append(cur)
+        dr = torch.cat(drafts, 1)
+        tgt = verify(torch.cat((state["last"], dr), 1), vpos).argmax(-1)
+        mism = dr != tgt[:, :K]
+        if B == 1:  # gpt-fast's own formulation: nonzero, .item(), branch on the result
+            rej = mism[0].nonzero()
+            n_acc = [K if rej.shape[0] == 0 else rej[0].item()]
+        else:  # one host read per step for a batch
+            n_acc = [r.index(True) if True in r else K for r in mism.tolist()]
+        if any(n == K for n in n_acc):  # all accepted: feed the last draft to the draft cache
+            decode(dr[:, -1:], base + K - 1)
+        state["last"] = tgt.gather(1, torch.tensor(n_acc, device="cuda")[:, None])
+
+    with torch.no_grad():
+        for _ in range(3):  # compile, cudagraph warm-up and record
+            iteration()
+        bar.step()
+        return median_ms(iteration, iters)
+
+
+# ----------------------------------------------------------------- (c)(d) spec-graph
+def prime(dec: SpecDecoder, B: int) -> dict:
+    """Fill rows [0, B) with 512-token contexts; return a snapshot to restore before each timing."""
+    dec.stop_buf.fill_(PLACEHOLDER)
+    prompts = [torch.randint(0, 32000, (CONTEXT - 1,)).tolist() for _ in range(B)]
+    from spec_graph.sampling import SamplingParams
+
+    dec._prefill(list(range(B)), prompts, [MAX_LEN - CONTEXT] * B, list(range(B)), SamplingParams(), dec.stop_buf)
+    return {k: v.clone() for k, v in dec.state.items()}
+
+
+def restore(dec: SpecDecoder, snap: dict) -> None:
+    for k, v in snap.items():
+        dec.state[k].copy_(v)
+
+
+def bench_specgraph(dec: SpecDecoder, B: int, iters: int, per: int) -> float:
+    snap = prime(dec, B)
+    ms = median_ms(lambda: dec._run_steps(B, True), iters, setup=lambda: restore(dec, snap))
+    restore(dec, snap)
+    dec.state["active"].zero_()  # leave every row inactive for later captures
+    return ms / per
+
+
+def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, bar: Bar) -> SpecDecoder:
+    cfg = SpecGraphConfig(num_speculative_tokens=K, max_batch_size=max(batch_sizes), max_len=MAX_LEN,
+                          dtype="bfloat16", batch_buckets=tuple(batch_sizes), steps_per_graph=steps_per_graph,
+                          passes=passes)
+    dec = SpecDecoder.from_pretrained(tdir, ddir, cfg)
+    orig = dec.graphs.capture
+
+    def capture(key, f, warmup=2):
+        ok = orig(key, f, warmup)
+        bar.step()
+        return ok
+
+    dec.graphs.capture = capture
+    dec._capture(True)
+    assert all((True, b) in dec.graphs for b in batch_sizes), dec.graphs.failed
+    return dec
+
+
+def recapture(dec: SpecDecoder, steps_per_graph: int, bar: Bar) -> None:
+    dec.config.steps_per_graph = steps_per_graph
+    dec.graphs = GraphSet(dec.platform)
+    orig = dec.graphs.capture
+    dec.graphs.capture = lambda key, f, warmup=2: (orig(key, f, warmup), bar.step())[0]
+    dec._captured_modes.clear()
+    dec._capture(True)
+
+
+# ----------------------------------------------------------------- (e) target-only decode
+def bench_target_decode(target, B: int, iters: int, graphs: GraphSet) -> float:
+    kv = target.new_kv_cache(B, MAX_LEN + K + 2)
+    tok = torch.randint(0, 32000, (B, 1), device="cuda")
+    pos = torch.full((B, 1), CONTEXT, device="cuda")
+    f = torch.compile(lambda: target(tok, pos, *kv), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        assert graphs.capture(("decode", B), f)
+        return median_ms(lambda: graphs.replay(("decode", B)), iters)
+
+
+def host_cpu_per_token(dec: SpecDecoder, B: int, steps_per_graph: int, bar: Bar) -> float:
+    """Process CPU time per generated token outside graph replay and the wait for the device."""
+    recapture(dec, steps_per_graph, bar)
+    excluded = [0.0]
+    run = dec._run_steps
+
+    def timed(Bk, greedy):
+        t0 = time.process_time()
+        run(Bk, greedy)
+        torch.cuda.synchronize()
+        excluded[0] += time.process_time() - t0
+
+    dec._run_steps = timed
+    prompts = [torch.randint(0, 32000, (CONTEXT - 1,)).tolist() for _ in range(B)]
+    dec.generate(prompts, 64)  # warm
+    excluded[0] = 0.0
+    t0 = time.process_time()
+    out = dec.generate(prompts, MAX_LEN - CONTEXT - 1)
+    total = time.process_time() - t0
+    dec._run_steps = run
+    return (total - excluded[0]) / out.stats.generated_tokens * 1e3
+
+
+def default_pair_real(iters_prompts: int = 8):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from default_pair_acceptance import DEFAULT_PAIR, load_corpus, make_prompts
+    import sysconfig
+
+    _, val, _ = load_corpus(Path(sysconfig.get_paths()["stdlib"]), val_every=20, max_file_bytes=400_000)
+    prompts = make_prompts(val, iters_prompts, 0) if val else [list(b"def ")] * iters_prompts
+    cfg = SpecGraphConfig(num_speculative_tokens=K, max_batch_size=1, max_len=512, batch_buckets=(1,),
+                          steps_per_graph=8)
+    dec = SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", cfg)
+    dec.generate(prompts[:1], 32)
+    out = dec.generate(prompts, 128)
+    s = out.stats
+    return s.acceptance_rate, s.wall_time_s / s.generated_tokens * 1e3, s.tokens_per_step
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--plot", action="store_true", help="also write a PNG of ms/step per batch size")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--skip", default="", help="comma-separated variants to skip: a,b,e,off,host,real")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_step.py needs a CUDA GPU")
+    skip = set(a.skip.split(",")) - {""}
+    Bs = [int(b) for b in a.batch_sizes.split(",")]
+    t_start = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev_name = sg_platform.current().device_name()
+    res: dict = {b: {} for b in Bs}
+
+    out = Path(a.out)
+    prev = out.read_text() if out.exists() else "# Benchmark results\n"
+    host = {"1": None, "8": None}
+    real_box: list = [None]
+    errors: dict = {}
+
+    def flush(bw_):
+        """Rewrite the report with what is measured so far (a run cut short still leaves its numbers)."""
+        floors(res, Bs, bw_, target_draft[0])
+        lines = report(res, Bs, bw_, dev_name, time.time() - t_start, a, host["1"], host["8"], real_box[0])
+        lines += [f"- variant {k} failed: {v}" for k, v in errors.items()]
+        out.write_text(prev.rstrip() + "\n\n" + "\n".join(lines) + "\n")
+        return lines
+
+    target_draft: list = [None]
+    bw = copy_bandwidth()
+    progress(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    root = Path(tempfile.mkdtemp())
+    (tdir, hf_t), (ddir, hf_d) = make_pair(root)
+    if "a" not in skip and 1 in res:
+        progress("(a) HF assisted generation, B=1")
+        res[1]["a"] = attempt("a", errors, bench_hf, hf_t, hf_d, a.iters)
+        flush(bw)
+    del hf_t, hf_d
+    torch.cuda.empty_cache()
+
+    progress("(c) spec-graph: compile + capture per bucket (passes on)")
+    dec = attempt("c", errors, build_decoder, tdir, ddir, Bs, {}, 1, Bar(len(Bs), "compile+capture"))
+    if dec is not None:
+        for b in Bs:
+            res[b]["c"] = attempt("c", errors, bench_specgraph, dec, b, a.iters, 1)
+        progress("(d) spec-graph multi-step N=8")
+        if attempt("d", errors, recapture, dec, 8, Bar(len(Bs), "capture N=8")) is None and "d" not in errors:
+            for b in Bs:
+                res[b]["d"] = attempt("d", errors, bench_specgraph, dec, b, a.iters, 8)
+        target, draft = dec.target, dec.draft
+    else:
+        target, draft = (load_model(d, torch.bfloat16, "cuda") for d in (tdir, ddir))
+    target_draft[0] = (target, draft)
+    flush(bw)
+    if "b" not in skip:
+        progress("(b) gpt-fast style")
+        bar = Bar(len(Bs), "compile")
+        for b in Bs:
+            res[b]["b"] = attempt("b", errors, bench_gptfast, target, draft, b, a.iters, bar)
+            flush(bw)
+    if "e" not in skip:
+        progress("(e) captured target-only decode")
+        g = GraphSet(sg_platform.current())
+        bar = Bar(len(Bs), "compile+capture")
+        for b in Bs:
+            res[b]["e"] = attempt("e", errors, bench_target_decode, target, b, a.iters, g)
+            bar.step()
+        flush(bw)
+    if "off" not in skip:
+        progress("(c-off) spec-graph with fusion passes off, B=1")
+        def off():
+            dec_off = build_decoder(tdir, ddir, [1], {name: False for name in _pass_names()}, 1, Bar(1, "compile"))
+            return bench_specgraph(dec_off, 1, a.iters, 1)
+
+        res[Bs[0]]["c_off"] = attempt("c_off", errors, off)
+        flush(bw)
+    if "host" not in skip and dec is not None:
+        progress("host CPU time per token, N=1 vs N=8")
+        hb = Bs[min(1, len(Bs) - 1)]
+        host["1"] = attempt("host", errors, host_cpu_per_token, dec, hb, 1, Bar(len(Bs), "capture N=1"))
+        host["8"] = attempt("host", errors, host_cpu_per_token, dec, hb, 8, Bar(len(Bs), "capture N=8"))
+    real_box[0] = None if "real" in skip else attempt("real", errors, default_pair_real)
+
+    print("\n".join(flush(bw)))
+    if a.plot:
+        plot(res, Bs, out.with_name("bench_step.png"))
+
+
+def floors(res, Bs, bw, models) -> None:
+    """Bytes floor per step: target weights once, draft weights K times, and the KV of the context."""
+    if models is None:
+        return
+    target, draft = models
+    wt = sum(p.numel() * p.element_size() for p in target.parameters())
+    wd = sum(p.numel() * p.element_size() for p in draft.parameters())
+    kv_tok = lambda m: 2 * m.args.num_layers * m.args.num_kv_heads * m.args.head_dim * 2  # noqa: E731  K and V, bf16
+    for b in Bs:
+        kv = (kv_tok(target) + K * kv_tok(draft)) * CONTEXT * b
+        res[b]["floor"] = (wt + K * wd + kv) / bw * 1e3
+
+
+def attempt(label: str, errors: dict, fn, *args):
+    """Run one variant; a failure is recorded in the report instead of ending the run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None
+
+
+def _pass_names():
+    from spec_graph.passes.manager import PassManager
+
+    return PassManager.names()
+
+
+def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
+    cmd = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
+    L = [f"## bench_step — {datetime.date.today().isoformat()}",
+         "",
+         f"- device: {dev_name}; torch {torch.__version__}; triton {_triton_version()}",
+         f"- command: `{cmd}`",
+         f"- pair: random-weight Llama target 2048x16 (0.85B) + draft 768x4 (74M), bf16, K={K}, context {CONTEXT}, "
+         f"static cache {MAX_LEN + K + 2} positions; CUDA-event medians of {a.iters} after warm-up",
+         f"- measured copy bandwidth {bw / 1e12:.2f} TB/s; whole run {elapsed / 60:.1f} min",
+         "",
+         "| B | (a) HF assisted | (b) gpt-fast style | (c) spec-graph | (c) passes off | (d) N=8, per step "
+         "| (e) target decode | bytes floor | (c)/floor | (a)/(c) | (b)/(c) | (c)/(e) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v: f"{v:.3f}" if isinstance(v, float) else "n/a"  # noqa: E731
+    r = lambda x, y: f"{x / y:.2f}x" if isinstance(x, float) and isinstance(y, float) else "n/a"  # noqa: E731
+    for b in Bs:
+        d = res[b]
+        L.append(f"| {b} | {f(d.get('a'))} | {f(d.get('b'))} | {f(d.get('c'))} | {f(d.get('c_off'))} | "
+                 f"{f(d.get('d'))} | {f(d.get('e'))} | {f(d.get('floor'))} | {r(d.get('c'), d.get('floor'))} | "
+                 f"{r(d.get('a'), d.get('c'))} | {r(d.get('b'), d.get('c'))} | {r(d.get('c'), d.get('e'))} |")
+    L.append("")
+    L.append("All times in ms per speculative iteration (one target verify of K+1 tokens).")
+    c1 = res[Bs[0]].get("c")
+    d1 = res[Bs[0]].get("d")
+    if isinstance(c1, float) and isinstance(d1, float):
+        L.append(f"- derived end-to-end at alpha=0.8, K=4 (3.36 tokens/step), B={Bs[0]}: "
+                 f"{c1 / 3.36:.3f} ms/token (N=1), {d1 / 3.36:.3f} ms/token (N=8)")
+    if host1 is not None and host8 is not None:
+        L.append(f"- host CPU time per generated token outside replay: N=1 {host1:.4f} ms, N=8 {host8:.4f} ms "
+                 f"(ratio {host8 / host1:.2f})")
+    if real is not None:
+        L.append(f"- embedded trained pair (graphs, N=8, B=1, K=4): acceptance {real[0]:.3f}, "
+                 f"{real[2]:.2f} tokens/step, {real[1]:.3f} ms/token end to end (incl. prefill)")
+    return L
+
+
+def _triton_version():
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return "n/a"
+
+
+def plot(res, Bs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"a": "(a) HF assisted", "b": "(b) gpt-fast style", "c": "(c) spec-graph", "d": "(d) N=8 per step",
+             "e": "(e) target decode", "floor": "bytes floor"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in names.items():
+        xs = [b for b in Bs if isinstance(res[b].get(key), float)]
+        if xs:
+            ax.plot(xs, [res[b][key] for b in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per speculative step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The pass manager handed to inductor as ``post_grad_custom_post_pass`` (and to
+torchair as its custom pass): runs spec-graph's FX passes in order.
+
+    PassManager()                                   # every pass on
+    PassManager(enabled={"fuse_prepare_next": False})
+    PassManager.names()                             # pass names, in order
+    pm(graph); pm.last_counts                       # {pass name: replacements} of the last run
+    pm.last_fired                                   # {pass name: [formulation matched, ...]}
+
+``uuid()`` combines the enabled passes' uuids (each a hash of its source), so
+inductor's FX graph cache stays on and is invalidated when a pass, its
+reference formulation or the enabled set changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Callable
+
+import torch
+import torch.fx
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - very old torch
+    class CustomGraphPass:  # type: ignore[no-redef]
+        pass
+
+log = logging.getLogger(__name__)
+
+
+def _fuse_greedy_accept(decompositions=None):
+    from .fuse_greedy_accept import FuseGreedyAccept
+
+    return FuseGreedyAccept(decompositions)
+
+
+def _fuse_prepare_next(decompositions=None):
+    from .fuse_prepare_next import FusePrepareNext
+
+    return FusePrepareNext(decompositions)
+
+
+# (name, factory(decompositions)), in the order they run. Factories import lazily: listing names is cheap.
+PASSES: tuple[tuple[str, Callable], ...] = (
+    ("fuse_greedy_accept", _fuse_greedy_accept),
+    ("fuse_prepare_next", _fuse_prepare_next),
+)
+
+
+class PassManager(CustomGraphPass):
+    """spec-graph's post-grad passes, in order; `enabled` = {name: bool} overrides (default on).
+
+    decompositions: None when inductor produced the graph; else the decomposition table of
+    the AOT trace that did (torchair's), so that the passes trace their patterns alike.
+    """
+
+    def __init__(self, enabled: dict | None = None, decompositions: dict | None = None) -> None:
+        enabled = dict(enabled or {})
+        unknown = sorted(set(enabled) - set(self.names()))
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {unknown}; known: {self.names()}")
+        self.enabled = {name: bool(enabled.get(name, True)) for name in self.names()}
+        self.decompositions = decompositions
+        self._passes: dict | None = None
+        self.last_counts: dict[str, int] = {}
+        self.last_fired: dict[str, list[str]] = {}
+        self.history: list[dict[str, int]] = []  # last_counts of every run (one per compiled graph)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [name for name, _ in PASSES]
+
+    @property
+    def passes(self) -> dict:
+        """{name: pass object} of the enabled passes, in order (built on first use)."""
+        if self._passes is None:
+            self._passes = {name: make(self.decompositions) for name, make in PASSES if self.enabled[name]}
+        return self._passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        counts, fired = {}, {}
+        for name, p in self.passes.items():
+            counts[name] = int(p(graph) or 0)
+            fired[name] = list(getattr(p, "last_formulations", []))
+            if counts[name]:
+                log.debug("spec_graph pass %s: %d replacement(s) %s", name, counts[name], fired[name])
+        self.last_counts, self.last_fired = counts, fired
+        self.history.append(counts)
+
+    def total_counts(self) -> dict[str, int]:
+        """Replacements per pass summed over every run of this manager."""
+        total = {name: 0 for name in self.passes}
+        for counts in self.history:
+            for name, n in counts.items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+    def use_decompositions(self, decompositions: dict | None) -> "PassManager":
+        """Retarget (in place) to graphs traced with `decompositions`; returns self."""
+        if decompositions is not self.decompositions:
+            self.decompositions = decompositions
+            self._passes = None
+        return self
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(b"spec_graph.PassManager:" + torch.__version__.encode())
+        for name, p in self.passes.items():
+            h.update(f"|{name}:{p.uuid()}".encode())
+        return h.hexdigest()
+
+    def __getstate__(self):
+        # picklable (inductor may ship its config to compile workers): the pass objects
+        # (pattern tables) are rebuilt on first use
+        state = dict(self.__dict__)
+        state["_passes"] = None
+        return state
+
+    # torchair calls its custom passes as fn(gm, example_inputs, config)
+    def as_torchair_pass(self) -> Callable:
+        def spec_graph_passes(gm, example_inputs=None, config=None):
+            self(gm.graph)
+            gm.recompile()
+            return gm
+
+        return spec_graph_passes
+
+    def __repr__(self) -> str:
+        on = [n for n, e in self.enabled.items() if e]
+        return f"PassManager(enabled={on})"
+
+
+__all__ = ["PASSES", "PassManager"]
