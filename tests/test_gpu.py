@@ -2,7 +2,6 @@
 import logging
 
 import pytest
-import torch
 from helpers import hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig

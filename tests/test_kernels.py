@@ -340,7 +340,8 @@ def rejection_case(draw):
     B = draw(st.integers(1, 9))
     K = draw(st.integers(1, 8))
     V = draw(st.sampled_from([1, 2, 3, 5, 16, 33, 64]))
-    modes = draw(st.lists(st.sampled_from(["mixed", "all", "all_zero_bonus", "none", "inactive", "sparse"]), min_size=B, max_size=B))
+    kinds = ["mixed", "all", "all_zero_bonus", "none", "inactive", "sparse"]
+    modes = draw(st.lists(st.sampled_from(kinds), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**32 - 1))
     row_seeds = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=B, max_size=B))
     steps = draw(st.lists(st.integers(0, 2**40), min_size=B, max_size=B))

@@ -143,3 +143,21 @@ def test_error_missing_shard(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match="missing"):
         load_model(tmp_path / "sh")
+
+
+def test_compiled_decode_does_not_copy_the_kv_cache(tmp_path):
+    """Inductor must update the cache in place: no buffer the size of a layer's cache in the generated code."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    model = load_model(make_checkpoint(tmp_path / "m", layers=2))
+    kv = model.new_kv_cache(8, 200)
+    tok, pos = torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), 50)
+    f = torch.compile(lambda: model(tok, pos, *kv), fullgraph=True)
+    with torch.no_grad():
+        _, code = run_and_get_code(f)
+    per_layer = kv[0][0].numel()
+    sizes = [m.group(1) for src in code for m in re.finditer(r"empty_strided\w*\(\(([^)]*)\)", src)]
+    big = [s for s in sizes if eval(f"__import__('math').prod(({s},))") >= per_layer]
+    assert sizes and not big, f"full-cache buffers in generated code: {big}"

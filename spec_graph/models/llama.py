@@ -78,12 +78,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views
         rows = (torch.arange(B, device=x.device) if slots is None else slots)[:, None, None]
         heads = torch.arange(self.n_kv, device=x.device)[None, None, :]
         pos = positions[:, :, None]
-        kc.index_put_((rows, heads, pos), k)
-        vc.index_put_((rows, heads, pos), v)
+        # Index the whole 5-D buffer, not a per-layer view of it: a mutated view makes
+        # functionalization (and so inductor) copy the entire cache at every layer.
+        idx = (torch.full_like(rows, self.layer), rows, heads, pos)
+        k_cache.index_put_(idx, k)
+        v_cache.index_put_(idx, v)
+        kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views, read only
         # Rows 0..B-1 are slots 0..B-1 in the step: a slice reads the cache without a gather copy.
         keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
 
