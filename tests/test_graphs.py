@@ -199,8 +199,8 @@ def _installed() -> bool:
 def test_backend_entry_point_without_import():
     code = (
         "import sys, torch\n"
-        "f = torch.compile(lambda x: (x * 2).sin(), backend='spec_graph', options={'capture': False})\n"
         "assert 'spec_graph' not in sys.modules\n"
+        "f = torch.compile(lambda x: (x * 2).sin(), backend='spec_graph', options={'capture': False})\n"
         "x = torch.randn(8)\n"
         "assert torch.allclose(f(x), (x * 2).sin())\n"
         "assert 'spec_graph.backend' in sys.modules\n"

@@ -17,6 +17,25 @@ DTYPES = {
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The model's concatenated projections and the checkpoint tensors they are made of, in order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _checkpoint_layout(model: Transformer) -> dict[str, tuple[str, list[tuple[str, tuple]]]]:
+    """model tensor name -> [(checkpoint tensor name, shape), ...] it is concatenated from (dim 0)."""
+    layout = {}
+    for name, t in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj == "qkv_proj":
+            sizes = model.model.layers[0].self_attn.qkv_split
+        elif proj == "gate_up_proj":
+            sizes = (t.shape[0] // 2,) * 2
+        else:
+            layout[name] = [(name, tuple(t.shape))]
+            continue
+        layout[name] = [(f"{parent}.{part}.{leaf}", (n, *t.shape[1:])) for part, n in zip(_FUSED[proj], sizes)]
+    return layout
 
 
 class CheckpointError(ValueError):
@@ -90,7 +109,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     state = read_state_dict(path)
     with torch.device("meta"):
         model = Transformer(args)
-    expected = model.state_dict()
+    layout = _checkpoint_layout(model)
+    expected = {hf: shape for parts in layout.values() for hf, shape in parts}
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     unexpected = [k for k in state if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
@@ -102,12 +122,14 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         if unexpected:
             parts.append(f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         raise CheckpointError(f"{path}: weights do not match config.json ({args.architecture}): " + "; ".join(parts))
-    for name, ref in expected.items():
-        if tuple(state[name].shape) != tuple(ref.shape):
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(state[name].shape)} in the checkpoint but "
-                f"config.json implies {list(ref.shape)}"
+                f"config.json implies {list(shape)}"
             )
-    model.load_state_dict({k: state[k].to(device=device, dtype=dtype) for k in expected}, assign=True)
+    weights = {name: torch.cat([state[hf] for hf, _ in parts]).to(device=device, dtype=dtype)
+               for name, parts in layout.items()}
+    model.load_state_dict(weights, assign=True)
     model.inv_freq = rope_inv_freq(args).to(device)
     return model.eval().requires_grad_(False)
