@@ -78,7 +78,10 @@ def _generate(a) -> int:
         for i, r in enumerate(out):
             if len(out) > 1:
                 print(f"--- [{i}] finish_reason={r.finish_reason}")
-            print(r.text if dec.tokenizer is not None else " ".join(map(str, r.token_ids)))
+            if dec.tokenizer is None:
+                print(" ".join(map(str, r.token_ids)))
+            else:  # text prompts are echoed, so the completion reads in context
+                print((prompts[i] if isinstance(prompts[i], str) else "") + r.text)
         print(f"[spec-graph] K={a.k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
               f"steps={s.steps} tokens={s.generated_tokens} time={s.wall_time_s:.2f}s", file=sys.stderr)
     return 0
