@@ -234,11 +234,10 @@ def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, b
 
 
 def recapture(dec: SpecDecoder, steps_per_graph: int, bar: Bar) -> None:
-    dec.config.steps_per_graph = steps_per_graph
-    dec.graphs = GraphSet(dec.platform)
+    """Capture every bucket again with N steps per graph (the compiled step is reused)."""
+    dec.reset_graphs(steps_per_graph)
     orig = dec.graphs.capture
     dec.graphs.capture = lambda key, f, warmup=2: (orig(key, f, warmup), bar.step())[0]
-    dec._captured_modes.clear()
     dec._capture(True)
 
 

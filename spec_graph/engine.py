@@ -263,6 +263,20 @@ class SpecDecoder:
                 self.graphs.capture((greedy, b), lambda a=args: [fn(*a) for _ in range(N)])
         self._captured_modes.add(greedy)
 
+    def reset_graphs(self, steps_per_graph: int | None = None) -> None:
+        """Drop the captured graphs (re-captured at the next generate), optionally with a new N.
+
+        The compiled step functions are kept, so re-capturing costs no compilation.
+        """
+        if steps_per_graph is not None:
+            if not isinstance(steps_per_graph, int) or steps_per_graph < 1:
+                raise ValueError(f"steps_per_graph must be a positive integer, got {steps_per_graph!r}")
+            self.config.steps_per_graph = steps_per_graph
+        if self.graphs is not None:
+            self.graphs = GraphSet(self.platform)
+        self._captured_modes.clear()
+        self._fallback_warned = False
+
     def _run_steps(self, B: int, greedy: bool) -> None:
         """N speculative steps over rows [0, B): one graph replay where a graph exists."""
         key = (greedy, B)

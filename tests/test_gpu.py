@@ -36,22 +36,29 @@ def test_eager_fp32_on_device_equals_hf(llama_pair):
     assert [r.token_ids for r in out] == [hf_greedy(target, p, 16) for p in prompts]
 
 
-def test_captured_equals_eager_bf16(eager_bf16):
-    dec = pair_engine(max_batch_size=4, batch_buckets=(1, 2, 4))
-    assert dec.graphs is not None
-    out = dec.generate(PROMPTS, 48)
-    assert set(dec.graphs.graphs) == {(True, 1), (True, 2), (True, 4)} and not dec.graphs.failed
+@pytest.fixture(scope="module")
+def captured():
+    return pair_engine(max_batch_size=4, batch_buckets=(1, 2, 4))
+
+
+def test_captured_equals_eager_bf16(captured, eager_bf16):
+    assert captured.graphs is not None
+    out = captured.generate(PROMPTS, 48)
+    assert set(captured.graphs.graphs) == {(True, 1), (True, 2), (True, 4)} and not captured.graphs.failed
     assert [r.token_ids for r in out] == eager_bf16
     assert out.stats.acceptance_rate > 0.5
 
 
-def test_multi_step_equals_single_step_captured(eager_bf16):
-    dec = pair_engine(max_batch_size=4, batch_buckets=(4,), steps_per_graph=8)
-    out = dec.generate(PROMPTS, 48)
-    assert [r.token_ids for r in out] == eager_bf16
-    s1 = pair_engine(max_batch_size=4, batch_buckets=(4,)).generate(PROMPTS, 40, temperature=0.8, seed=3)
-    s8 = dec.generate(PROMPTS, 40, temperature=0.8, seed=3)
-    assert [r.token_ids for r in s1] == [r.token_ids for r in s8]
+def test_multi_step_equals_single_step_captured(captured, eager_bf16):
+    s1 = captured.generate(PROMPTS, 40, temperature=0.8, seed=3)
+    captured.reset_graphs(steps_per_graph=8)
+    try:
+        out = captured.generate(PROMPTS, 48)
+        assert [r.token_ids for r in out] == eager_bf16
+        s8 = captured.generate(PROMPTS, 40, temperature=0.8, seed=3)
+        assert [r.token_ids for r in s1] == [r.token_ids for r in s8]
+    finally:
+        captured.reset_graphs(steps_per_graph=1)
 
 
 def test_oversized_batch_falls_back(eager_bf16, caplog):

@@ -208,3 +208,16 @@ def test_backend_entry_point_without_import():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_reset_graphs_recaptures_with_new_n(llama_pair, eager_tokens):
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(4,))
+    assert [r.token_ids for r in dec.generate(PROMPTS, 20)] == eager_tokens
+    dec.reset_graphs(steps_per_graph=5)
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert plat.events.count("record") == 2 and dec.config.steps_per_graph == 5
+    with pytest.raises(ValueError, match="steps_per_graph"):
+        dec.reset_graphs(steps_per_graph=0)
