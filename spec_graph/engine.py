@@ -50,6 +50,14 @@ class GenerationStats:
     generated_tokens: int
     wall_time_s: float
 
+    @property
+    def wall_time(self) -> float:
+        return self.wall_time_s
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.tokens_per_step
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
