@@ -1,77 +1,24 @@
-"""SpecDecoder: request slots, prefill, the speculative step loop, EOS / max_new_tokens.
+"""SpecDecoder: the in-process engine over spec-graph's own models.
 
-The host admits queued prompts into free slots (prefill), then runs the
-step over the smallest batch bucket holding every busy slot, and reads back
-only which rows finished. Everything per token lives on the device.
+The host loop (admission, prefill bookkeeping, step, finish, stats) is
+``runtime.DecoderBase``; this class adds the models, the prefill forward and
+the one-step function (eager, or compiled by the ``spec_graph`` backend).
 """
 from __future__ import annotations
 
 import json
-import logging
-import random
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from . import platform
-from .capture import GraphSet
 from .config import SpecGraphConfig
-from .kernels import PLACEHOLDER, race_sample
 from .models import load_model, parse_dtype, read_config
-from .sampling import SamplingParams, logits_to_probs
-from .step import STATE_FIELDS, speculative_step
+from .runtime import (MAX_STOP_IDS, WRITEBACK, DecoderBase, GenerationOutput, GenerationResult,  # noqa: F401
+                      GenerationStats, load_tokenizer)
+from .step import speculative_step
 
-_SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
-MAX_STOP_IDS = 64
-_WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
-log = logging.getLogger("spec_graph")
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop id, included in token_ids), "length" or "error"
-    prompt_token_ids: list[int] = field(default_factory=list)
-    accepted_counts: list[int] = field(default_factory=list)  # drafts accepted at each of its steps
-
-
-@dataclass
-class GenerationStats:
-    acceptance_rate: float  # accepted / proposed draft tokens
-    acceptance_rate_per_position: list[float]  # P(draft position j accepted)
-    tokens_per_step: float  # mean tokens committed per request per step
-    steps: int  # speculative steps run (each is one target forward over the batch)
-    prefills: int  # prefill forwards run
-    generated_tokens: int
-    wall_time_s: float
-
-    @property
-    def wall_time(self) -> float:
-        return self.wall_time_s
-
-    @property
-    def mean_tokens_per_step(self) -> float:
-        return self.tokens_per_step
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class GenerationOutput(list):
-    """A list of GenerationResult, one per prompt, with ``.stats`` beside it."""
-
-    def __init__(self, results: list[GenerationResult], stats: GenerationStats):
-        super().__init__(results)
-        self.stats = stats
-
-    @property
-    def outputs(self) -> list[GenerationResult]:
-        return list(self)
+_load_tokenizer = load_tokenizer  # kept for callers of the old private name
 
 
 def _eos_ids(path: str, args) -> set[int]:
@@ -86,54 +33,29 @@ def _eos_ids(path: str, args) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _load_tokenizer(path: str):
-    f = Path(path) / "tokenizer.json"
-    if not f.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(f))
+def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
+    """"auto" is bfloat16 where the platform has graphs (accelerators), float32 on CPU."""
+    if dtype == "auto":
+        dtype = "bfloat16" if plat.supports_graphs else "float32"
+    return parse_dtype(dtype)
 
 
-class SpecDecoder:
+class SpecDecoder(DecoderBase):
     def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=(), plat=None):
-        self.target, self.draft, self.config, self.tokenizer = target, draft, config, tokenizer
-        self.eos_token_ids = tuple(sorted(eos_token_ids))
-        self.vocab_size = target.args.vocab_size
-        if draft.args.vocab_size != self.vocab_size:
+        self.target, self.draft = target, draft
+        vocab = target.args.vocab_size
+        if draft.args.vocab_size != vocab:
             raise ValueError(
-                f"draft vocab size {draft.args.vocab_size} differs from the target's {self.vocab_size}: "
+                f"draft vocab size {draft.args.vocab_size} differs from the target's {vocab}: "
                 "speculative decoding needs a draft that shares the target's tokenizer"
             )
-        self.device = target.model.embed_tokens.weight.device
-        self.platform = plat or platform.get(self.device)
-        K, S = config.num_speculative_tokens, config.max_batch_size
-        self.K = K
-        self.rows = config.bucket_for(S)  # state rows: room for the largest bucket the slots may need
-        self.cache_len = config.max_len + K + 2  # speculation writes up to K+1 past the committed end
-        self.target_kv = target.new_kv_cache(self.rows, self.cache_len)
-        self.draft_kv = draft.new_kv_cache(self.rows, self.cache_len)
-        R, dev = self.rows, self.device
-        i64 = dict(dtype=torch.long, device=dev)
-        self.state = {
-            "tail": torch.zeros(R, 2, **i64), "seq_lens": torch.full((R,), 2, **i64),
-            "n_out": torch.zeros(R, **i64), "max_new": torch.zeros(R, **i64),
-            "active": torch.zeros(R, dtype=torch.bool, device=dev),
-            "error": torch.zeros(R, dtype=torch.bool, device=dev),
-            "seeds": torch.zeros(R, **i64), "steps": torch.zeros(R, **i64),
-            "temperature": torch.ones(R, dtype=torch.float32, device=dev),
-            "top_k": torch.zeros(R, **i64), "top_p": torch.ones(R, dtype=torch.float32, device=dev),
-        }
-        assert set(self.state) == set(STATE_FIELDS)
-        self.out_buf = torch.full((R, config.max_len), PLACEHOLDER, **i64)
-        self.acc_log = torch.zeros(R, config.max_len, **i64)
-        self.stop_buf = torch.full((MAX_STOP_IDS,), PLACEHOLDER, **i64)
+        device = target.model.embed_tokens.weight.device
+        plat = plat or platform.get(device)
         # Graphs: compiled by the spec_graph backend; captured per bucket where the platform can.
-        self.compiled = config.enable_graph if config.enable_graph is not None else self.platform.supports_graphs
-        self.graphs = GraphSet(self.platform) if self.compiled and self.platform.supports_graphs else None
+        self.compiled = config.enable_graph if config.enable_graph is not None else plat.supports_graphs
         self._fns: dict = {}
-        self._captured_modes: set = set()
-        self._fallback_warned = False
+        super().__init__(config, vocab, device, plat, tokenizer, eos_token_ids,
+                         use_graphs=bool(self.compiled and plat.supports_graphs))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -147,96 +69,20 @@ class SpecDecoder:
                 f"{targs.vocab_size} ({target_dir}): the draft must share the target's vocabulary"
             )
         plat = platform.get(config.device)
-        dtype = config.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if plat.supports_graphs else "float32"
-        dtype = parse_dtype(dtype)
+        dtype = resolve_dtype(config.dtype, plat)
         target = load_model(target_dir, dtype, plat.device)
         draft = load_model(draft_dir, dtype, plat.device)
-        return cls(target, draft, config, _load_tokenizer(str(target_dir)), _eos_ids(str(target_dir), targs))
+        return cls(target, draft, config, load_tokenizer(str(target_dir)), _eos_ids(str(target_dir), targs))
 
-    # ------------------------------------------------------------------ validation
-    def _encode(self, prompts, max_new_tokens: int) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("the target checkpoint has no tokenizer.json: pass prompts as token-id lists")
-                ids = self.tokenizer.encode(p).ids
-            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                ids = list(p)
-            else:
-                raise ValueError(f"prompt {i} is neither a string nor a list of integer token ids")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-            if len(ids) + max_new_tokens > self.config.max_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(ids) + max_new_tokens} > max_len={self.config.max_len}: raise max_len in "
-                    "SpecGraphConfig (--max-len) or shorten the prompt"
-                )
-            out.append(ids)
-        return out
+    # ------------------------------------------------------------------ the forwards
+    def _new_kv_caches(self, rows: int, cache_len: int):
+        return self.target.new_kv_cache(rows, cache_len), self.draft.new_kv_cache(rows, cache_len)
 
-    # ------------------------------------------------------------------ prefill
-    def _zero_slots(self, slots: torch.Tensor) -> None:
-        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v.
-        for kc, vc in (self.target_kv, self.draft_kv):
-            kc[:, slots] = 0
-            vc[:, slots] = 0
-
-    def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                 params: SamplingParams, stop_ids: torch.Tensor) -> None:
-        dev, n = self.device, len(slots)
-        T = max(len(p) for p in prompts)
-        T = min(1 << (T - 1).bit_length(), self.cache_len)  # few distinct prefill shapes
-        toks = torch.zeros(n, T, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = torch.tensor(p)
-        toks = toks.to(dev)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        slot_t = torch.tensor(slots, device=dev)
-        pos = torch.arange(T, device=dev).expand(n, T)
-        self._zero_slots(slot_t)
+    def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
         with torch.inference_mode():
-            self.draft(toks, pos, *self.draft_kv, slots=slot_t)
-            logits = self.target(toks, pos, *self.target_kv, slots=slot_t)[torch.arange(n, device=dev), lens - 1]
-        st = self.state
-        st["temperature"][slot_t] = max(params.temperature, 1e-5)
-        st["top_k"][slot_t] = params.top_k
-        st["top_p"][slot_t] = params.top_p
-        seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
-        if params.greedy:
-            first = logits.argmax(-1)
-        else:
-            probs = logits_to_probs(logits, st["temperature"][slot_t], st["top_k"][slot_t], st["top_p"][slot_t])
-            first = race_sample(probs, seeds_t, torch.zeros_like(seeds_t), slot_t, 0)
-        finite = torch.isfinite(logits).all(-1)
-        max_new_t = torch.tensor(max_new, device=dev)
-        done = torch.isin(first, stop_ids) | (max_new_t <= 1)
-        st["tail"][slot_t] = torch.stack((toks[torch.arange(n, device=dev), lens - 1], first), 1)
-        st["seq_lens"][slot_t] = lens + 1
-        st["n_out"][slot_t] = 1
-        st["max_new"][slot_t] = max_new_t
-        st["seeds"][slot_t] = seeds_t
-        st["steps"][slot_t] = 1
-        st["error"][slot_t] = ~finite
-        st["active"][slot_t] = finite & ~done
-        self.out_buf[slot_t] = PLACEHOLDER
-        self.out_buf[slot_t, 0] = first
-        self.acc_log[slot_t] = 0
-
-    # ------------------------------------------------------------------ step
-    def _step_args(self, B: int) -> tuple:
-        st = {k: v[:B] for k, v in self.state.items()}
-        return st, self.out_buf[:B], self.acc_log[:B], self.stop_buf, self.draft_kv, self.target_kv
+            self.draft(toks, pos, *self.draft_kv, slots=slots)
+            logits = self.target(toks, pos, *self.target_kv, slots=slots)
+            return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
 
     def _step_fn(self, greedy: bool):
         """The one-step function over static buffers: eager, or compiled by the spec_graph backend."""
@@ -247,7 +93,7 @@ class SpecDecoder:
             def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
                 new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
                                        greedy, fused=not compiled)
-                for k in _WRITEBACK:
+                for k in WRITEBACK:
                     st[k].copy_(new[k])
 
             fn = one_step
@@ -260,131 +106,3 @@ class SpecDecoder:
             self._fns[greedy] = fn
         return fn
 
-    def _capture(self, greedy: bool) -> None:
-        """Capture every bucket's N-step graph, while no row is active (warm-up runs for real)."""
-        if self.graphs is None or greedy in self._captured_modes:
-            return
-        fn, N = self._step_fn(greedy), self.config.steps_per_graph
-        with torch.inference_mode():
-            for b in sorted((b for b in self.config.batch_buckets if b <= self.rows), reverse=True):
-                args = self._step_args(b)
-                self.graphs.capture((greedy, b), lambda a=args: [fn(*a) for _ in range(N)])
-        self._captured_modes.add(greedy)
-
-    def reset_graphs(self, steps_per_graph: int | None = None) -> None:
-        """Drop the captured graphs (re-captured at the next generate), optionally with a new N.
-
-        The compiled step functions are kept, so re-capturing costs no compilation.
-        """
-        if steps_per_graph is not None:
-            if not isinstance(steps_per_graph, int) or steps_per_graph < 1:
-                raise ValueError(f"steps_per_graph must be a positive integer, got {steps_per_graph!r}")
-            self.config.steps_per_graph = steps_per_graph
-        if self.graphs is not None:
-            self.graphs = GraphSet(self.platform)
-        self._captured_modes.clear()
-        self._fallback_warned = False
-
-    def _run_steps(self, B: int, greedy: bool) -> None:
-        """N speculative steps over rows [0, B): one graph replay where a graph exists."""
-        key = (greedy, B)
-        if self.graphs is not None and key in self.graphs:
-            self.graphs.replay(key)
-            return
-        if self.graphs is not None and not self._fallback_warned:
-            self._fallback_warned = True
-            why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
-            log.warning("spec-graph: running the step uncaptured (%s)", why)
-        fn, args = self._step_fn(greedy), self._step_args(B)
-        with torch.inference_mode():
-            for _ in range(self.config.steps_per_graph):
-                fn(*args)
-
-    # ------------------------------------------------------------------ generate
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids=None) -> GenerationOutput:
-        t0 = time.perf_counter()
-        params = SamplingParams(float(temperature), float(top_p), top_k)
-        encoded = self._encode(prompts, max_new_tokens)
-        stops = list(self.eos_token_ids)
-        for t in stop_token_ids or []:
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop token id {t!r} is out of range [0, {self.vocab_size})")
-            stops.append(t)
-        stop_set = set(stops)
-        if len(stop_set) > MAX_STOP_IDS:
-            raise ValueError(f"{len(stop_set)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
-        self.stop_buf.fill_(PLACEHOLDER)
-        self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
-        stop_ids = self.stop_buf
-        self._capture(params.greedy)
-        if seed is None:
-            seed = random.SystemRandom().getrandbits(63)
-        req_seeds = [(seed * _SEED_MIX[0] + (i + 1) * _SEED_MIX[1]) % (1 << 63) for i in range(len(encoded))]
-
-        S = self.config.max_batch_size
-        pending = deque(range(len(encoded)))
-        owner: list[int | None] = [None] * S
-        results: list[GenerationResult | None] = [None] * len(encoded)
-        steps = prefills = 0
-
-        def finish(slots: list[int]) -> None:
-            if not slots:
-                return
-            idx = torch.tensor(slots, device=self.device)
-            n_out, err, nsteps = (self.state[k][idx].tolist() for k in ("n_out", "error", "steps"))
-            outs, accs = self.out_buf[idx].tolist(), self.acc_log[idx].tolist()
-            for j, s in enumerate(slots):
-                r = owner[s]
-                toks = outs[j][: n_out[j]]
-                if err[j]:
-                    reason = "error"
-                elif toks and toks[-1] in stop_set:
-                    reason = "stop"
-                else:
-                    reason = "length"
-                results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r], accs[j][: nsteps[j] - 1])
-                owner[s] = None
-
-        while pending or any(o is not None for o in owner):
-            free = [s for s in range(S) if owner[s] is None]
-            admit = [(s, pending.popleft()) for s in free[: len(pending)]]
-            if admit:
-                slots = [s for s, _ in admit]
-                for s, r in admit:
-                    owner[s] = r
-                self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
-                              [req_seeds[r] for _, r in admit], params, stop_ids)
-                prefills += 1
-                act = self.state["active"][torch.tensor(slots, device=self.device)].tolist()
-                finish([s for s, a in zip(slots, act) if not a])
-            busy = [s for s in range(S) if owner[s] is not None]
-            if not busy:
-                continue
-            B = self.config.bucket_for(max(busy) + 1)
-            self._run_steps(B, params.greedy)
-            steps += self.config.steps_per_graph
-            active = self.state["active"][:B].tolist()  # the one host read per replay
-            finish([s for s in busy if not active[s]])
-
-        return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0))
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([i for i in ids if i not in self.eos_token_ids], skip_special_tokens=True)
-
-    def _stats(self, results, steps: int, prefills: int, wall: float) -> GenerationStats:
-        counts = [a for r in results for a in r.accepted_counts]
-        K = self.K
-        n = len(counts)
-        per_pos = [sum(a > j for a in counts) / n if n else 0.0 for j in range(K)]
-        return GenerationStats(
-            acceptance_rate=sum(counts) / (n * K) if n else 0.0,
-            acceptance_rate_per_position=per_pos,
-            tokens_per_step=(sum(counts) + n) / n if n else 0.0,
-            steps=steps,
-            prefills=prefills,
-            generated_tokens=sum(len(r.token_ids) for r in results),
-            wall_time_s=wall,
-        )
