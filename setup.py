@@ -29,5 +29,6 @@ setup(
     entry_points={
         "console_scripts": ["spec-graph = spec_graph.cli:main"],
         "torch_dynamo_backends": ["spec_graph = spec_graph.backend:spec_graph_backend"],
+        "vllm.general_plugins": ["spec_graph = spec_graph.vllm_plugin:register"],
     },
 )

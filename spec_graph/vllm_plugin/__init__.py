@@ -1,0 +1,137 @@
+"""vLLM general plugin: spec-graph's drafter for ``speculative_config.method == "draft_model"``.
+
+Entry point ``vllm.general_plugins: spec_graph = spec_graph.vllm_plugin:register``.
+vLLM calls ``register()`` once in every process it starts (engine core,
+workers), so it only installs two small patches, is idempotent, and imports
+nothing vLLM has not imported by then (``vllm.config``): with ``additional_config["enable_spec_graph"]`` unset or false,
+vLLM behaves exactly as without spec-graph.
+
+The patches of vLLM (each also documented where it is applied below):
+
+1. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer`` (a module-level name)
+   is replaced by ``DraftModelProposerSwitch``.
+   Why: the runner builds its drafter as ``DraftModelProposer(vllm_config=...,
+   device=..., runner=self)`` from that module-level name and offers no hook to
+   choose another class for ``draft_model``.
+   How: the switch's metaclass makes calling it build spec-graph's proposer when
+   the flag is on and vLLM's own ``DraftModelProposer`` otherwise (so with the
+   flag off ``type(runner.drafter) is DraftModelProposer``); ``isinstance`` /
+   ``issubclass`` against the switch answer as for ``DraftModelProposer``, so the
+   runner's many ``isinstance(self.drafter, ... | DraftModelProposer)`` checks
+   hold for both. If the runner module is already imported, the name is swapped
+   at once; otherwise a one-shot import hook swaps it right after the module
+   runs.
+   When it can go: when vLLM lets a plugin choose the drafter class for a
+   method (e.g. a proposer registry, or ``method="custom_class"`` accepting a
+   draft model plus padded-batch drafting).
+
+2. ``VllmConfig.__post_init__`` is wrapped to check spec-graph's settings.
+   Why: the flag lives in ``additional_config``, a free dict vLLM does not
+   validate, and a bad combination (another method, a different draft vocab, a
+   draft TP different from the target's) should fail when the config is built,
+   not in a worker. How: the original runs first; then ``additional_config``
+   is parsed (unknown ``spec_graph`` keys are refused) and, only when the flag
+   is set, ``config.check_vllm_config`` and vLLM's own draft-TP check run.
+   When it can go: when vLLM validates ``additional_config`` through a plugin
+   hook.
+
+Besides these, ``proposer.SpecGraphProposer`` only overrides methods of its
+parent class (no patching): it lifts ``_raise_if_padded_drafter_batch_disabled``
+(vLLM 0.32 refuses ``disable_padded_drafter_batch`` for draft models; spec-graph
+builds its own padded inputs from either form) and keeps the ``runner``
+argument, which vLLM 0.32's base class accepts but does not store.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+
+log = logging.getLogger("spec_graph")
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_state = {"registered": False, "config_patched": False}
+
+
+def register() -> None:
+    """Install the patches (idempotent, cheap; called by vLLM in every process)."""
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    _patch_config()
+    if RUNNER_MODULE in sys.modules:
+        _patch_runner(sys.modules[RUNNER_MODULE])
+    else:
+        sys.meta_path.insert(0, _RunnerImportHook())
+
+
+def _patch_runner(module) -> None:
+    # Patch 1 (see the module docstring): swap the module-level name the runner builds its drafter from.
+    if getattr(module, "_spec_graph_patched", False):
+        return
+    from .switch import make_switch
+
+    module.DraftModelProposer = make_switch(module.DraftModelProposer)
+    module._spec_graph_patched = True
+
+
+class _RunnerImportHook(importlib.abc.MetaPathFinder):
+    """Applies patch 1 right after ``vllm.v1.worker.gpu_model_runner`` is first executed, then removes itself."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != RUNNER_MODULE:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without this hook in the way
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        real_exec = loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            _patch_runner(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _patch_config() -> None:
+    # Patch 2 (see the module docstring): config-time checks of spec-graph's settings.
+    if _state["config_patched"]:
+        return
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "_spec_graph", False):
+        _state["config_patched"] = True
+        return
+
+    def __post_init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        check_config(self)
+
+    __post_init__._spec_graph = True
+    __post_init__.__wrapped__ = original
+    VllmConfig.__post_init__ = __post_init__
+    _state["config_patched"] = True
+
+
+def check_config(vllm_config):
+    """The config-time checks; returns the parsed settings (flag off: nothing is checked beyond the dict)."""
+    from types import SimpleNamespace
+
+    from .config import check_vllm_config
+
+    settings = check_vllm_config(vllm_config)
+    if settings.enabled:
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+        # vLLM's own check and message (it would otherwise only fire in the worker).
+        DraftModelProposer._raise_if_draft_tp_mismatch(
+            SimpleNamespace(speculative_config=vllm_config.speculative_config))
+    return settings
+
+
+__all__ = ["register", "check_config"]

