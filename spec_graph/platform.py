@@ -30,11 +30,19 @@ class Platform:
     def supports_graphs(self) -> bool:
         return self.name in ("cuda", "npu")
 
+    @property
+    def _mod(self):
+        """torch.cuda or torch.npu (torch_npu's mirror of it); None on CPU."""
+        return {"cuda": torch.cuda, "npu": getattr(torch, "npu", None)}.get(self.name)
+
+    def _need_graphs(self):
+        if self._mod is None:
+            raise RuntimeError("static graphs need a CUDA or NPU device; on CPU the compiled step runs as is")
+        return self._mod
+
     def synchronize(self) -> None:
-        if self.name == "cuda":
-            torch.cuda.synchronize()
-        elif self.name == "npu":
-            torch.npu.synchronize()  # type: ignore[attr-defined]
+        if self._mod is not None:
+            self._mod.synchronize()
 
     def max_programs(self) -> int:
         if self.name == "npu":
@@ -49,35 +57,18 @@ class Platform:
 
     # ---- static graphs (CUDA graph / ACL graph); the only place that names them
     def new_graph(self):
-        if self.name == "cuda":
-            return torch.cuda.CUDAGraph()
-        if self.name == "npu":
-            return torch.npu.NPUGraph()  # type: ignore[attr-defined]
-        raise RuntimeError("static graphs need a CUDA or NPU device; on CPU the compiled step runs as is")
+        mod = self._need_graphs()
+        return mod.CUDAGraph() if self.name == "cuda" else mod.NPUGraph()
 
     def graph_pool(self):
-        if self.name == "cuda":
-            return torch.cuda.graph_pool_handle()
-        if self.name == "npu":
-            return torch.npu.graph_pool_handle()  # type: ignore[attr-defined]
-        return None
+        return self._mod.graph_pool_handle() if self._mod is not None else None
 
     def new_stream(self):
-        if self.name == "cuda":
-            return torch.cuda.Stream()
-        if self.name == "npu":
-            return torch.npu.Stream()  # type: ignore[attr-defined]
-        return None
+        return self._mod.Stream() if self._mod is not None else None
 
     def record(self, graph, fn, pool=None, stream=None):
         """Record the work `fn()` issues into `graph` (nothing runs); return fn's static outputs."""
-        if self.name == "cuda":
-            ctx = torch.cuda.graph(graph, pool=pool, stream=stream)
-        elif self.name == "npu":
-            ctx = torch.npu.graph(graph, pool=pool, stream=stream)  # type: ignore[attr-defined]
-        else:
-            raise RuntimeError("static graphs need a CUDA or NPU device")
-        with ctx:
+        with self._need_graphs().graph(graph, pool=pool, stream=stream):
             return fn()
 
     def replay(self, graph) -> None:
@@ -85,30 +76,21 @@ class Platform:
 
     def on_side_stream(self, stream):
         """Context manager running work on `stream`, ordered after the current stream's work."""
-        if self.name == "cuda":
-            stream.wait_stream(torch.cuda.current_stream())
-            return torch.cuda.stream(stream)
-        if self.name == "npu":
-            stream.wait_stream(torch.npu.current_stream())  # type: ignore[attr-defined]
-            return torch.npu.stream(stream)  # type: ignore[attr-defined]
-        return contextlib.nullcontext()
+        if self._mod is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(self._mod.current_stream())
+        return self._mod.stream(stream)
 
     def join_stream(self, stream) -> None:
-        if self.name == "cuda":
-            torch.cuda.current_stream().wait_stream(stream)
-        elif self.name == "npu":
-            torch.npu.current_stream().wait_stream(stream)  # type: ignore[attr-defined]
+        if self._mod is not None:
+            self._mod.current_stream().wait_stream(stream)
 
     def compile_backend(self):
         """The compiler under spec-graph's passes: inductor, or torch_npu's graph backend on Ascend."""
         return "npu" if self.name == "npu" else "inductor"
 
     def device_name(self) -> str:
-        if self.name == "cuda":
-            return torch.cuda.get_device_name(0)
-        if self.name == "npu":
-            return str(torch.npu.get_device_name(0))  # type: ignore[attr-defined]
-        return "cpu"
+        return str(self._mod.get_device_name(0)) if self._mod is not None else "cpu"
 
 
 def _npu_available() -> bool:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from spec_graph.platform import Platform
 
 CORPUS = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -83,3 +86,49 @@ def hf_greedy(path, prompt: list[int], max_new_tokens: int, eos: int | None = 1)
 
 def write_json(path, obj) -> None:
     Path(path).write_text(json.dumps(obj))
+
+
+class FakeGraph:
+    def __init__(self, log):
+        self.fn, self.log = None, log
+
+    def replay(self):
+        self.log.append("replay")
+        return self.fn()
+
+
+@dataclass(frozen=True)
+class FakePlatform(Platform):
+    """A CPU platform that 'captures' by keeping the callable and 'replays' by calling it;
+    ``events`` logs new_graph / record / replay."""
+
+    events: list = None
+
+    @property
+    def supports_graphs(self):
+        return True
+
+    def new_graph(self):
+        self.events.append("new_graph")
+        return FakeGraph(self.events)
+
+    def graph_pool(self):
+        return "pool"
+
+    def new_stream(self):
+        return None
+
+    def record(self, graph, fn, pool=None, stream=None):
+        assert pool == "pool"
+        self.events.append("record")
+        graph.fn = fn
+
+    def replay(self, graph):
+        return graph.replay()
+
+    def synchronize(self):
+        pass
+
+
+def fake_platform(events: list | None = None) -> FakePlatform:
+    return FakePlatform("cpu", [] if events is None else events)

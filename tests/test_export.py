@@ -249,7 +249,7 @@ def test_error_other_device(tmp_path, exported):
 
 def test_loaded_step_is_captured_per_bucket(exported, engine):
     """Through the platform seam (a stand-in graph platform on CPU): one graph per (mode, batch size), all replayed."""
-    from test_graphs import fake_platform
+    from helpers import fake_platform
 
     from spec_graph.export import ExportedRunner
 

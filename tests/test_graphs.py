@@ -5,64 +5,18 @@ import logging
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import FakePlatform, fake_platform
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.capture import CapturedFunction, GraphSet
-from spec_graph.platform import Platform
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63], [20, 21, 22]]
 PKG = Path(__file__).parents[1] / "spec_graph"
-
-
-class FakeGraph:
-    def __init__(self, log):
-        self.fn, self.log = None, log
-
-    def replay(self):
-        self.log.append("replay")
-        return self.fn()
-
-
-@dataclass(frozen=True)
-class FakePlatform(Platform):
-    """A CPU platform that 'captures' by keeping the callable and 'replays' by calling it."""
-
-    events: list = None
-
-    @property
-    def supports_graphs(self):
-        return True
-
-    def new_graph(self):
-        self.events.append("new_graph")
-        return FakeGraph(self.events)
-
-    def graph_pool(self):
-        return "pool"
-
-    def new_stream(self):
-        return None
-
-    def record(self, graph, fn, pool=None, stream=None):
-        assert pool == "pool"
-        self.events.append("record")
-        graph.fn = fn
-
-    def replay(self, graph):
-        return graph.replay()
-
-    def synchronize(self):
-        pass
-
-
-def fake_platform():
-    return FakePlatform("cpu", [])
 
 
 def engine(pair, plat=None, compile_step=True, **cfg):

@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import hf_greedy, make_checkpoint, perturbed_copy  # noqa: E402
+from helpers import fake_platform, hf_greedy, make_checkpoint, perturbed_copy  # noqa: E402
 from spec_graph.vllm_plugin import check_config, register  # noqa: E402
 from spec_graph.vllm_plugin.config import parse  # noqa: E402
 
@@ -428,51 +428,6 @@ def test_proposer_evicts_least_recent_unscheduled_request(models):
         _shutdown(llm)
 
 
-class _FakeGraph:
-    def __init__(self, log):
-        self.fn, self.log = None, log
-
-    def replay(self):
-        self.log.append("replay")
-        return self.fn()
-
-
-def _fake_platform(events):
-    from dataclasses import dataclass
-
-    from spec_graph.platform import Platform
-
-    @dataclass(frozen=True)
-    class FakePlatform(Platform):
-        """CPU platform that 'captures' by keeping the callable and 'replays' by calling it."""
-
-        @property
-        def supports_graphs(self):
-            return True
-
-        def new_graph(self):
-            events.append("new_graph")
-            return _FakeGraph(events)
-
-        def graph_pool(self):
-            return "pool"
-
-        def new_stream(self):
-            return None
-
-        def record(self, graph, fn, pool=None, stream=None):
-            events.append("record")
-            graph.fn = fn
-
-        def replay(self, graph):
-            return graph.replay()
-
-        def synchronize(self):
-            pass
-
-    return FakePlatform("cpu")
-
-
 def test_decode_steps_replay_one_graph_per_bucket(models):
     """Through the platform seam: decode steps replay a captured graph per padded batch (3 rows -> bucket 4),
     prefill steps run uncaptured, and drafts, acceptance counts and tokens equal the uncaptured run."""
@@ -489,7 +444,7 @@ def test_decode_steps_replay_one_graph_per_bucket(models):
     events = []
     try:
         d = _drafter(llm)
-        d.platform = _fake_platform(events)
+        d.platform = fake_platform(events)
         outs = _generate(llm, PROMPTS[:3])
         counts = _spec_counts(llm)
     finally:
