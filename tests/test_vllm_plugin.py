@@ -94,6 +94,17 @@ def test_parse_settings():
         parse({"spec_graph": {"batch_buckets": [0]}})
 
 
+def test_steps_per_graph_must_be_one_inside_vllm():
+    assert parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": 1}}).steps_per_graph == 1
+    assert parse({"enable_spec_graph": True}).steps_per_graph == 1
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match=r"\['steps_per_graph'\] must be a positive int, got"):
+            parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": bad}})
+    with pytest.raises(ValueError, match=r"must be 1 inside vLLM, got 4: vLLM's runner calls the drafter once per "
+                                         r"step.*SpecGraphConfig"):
+        parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": 4}})
+
+
 def test_draft_tp_mismatch_keeps_vllms_message():
     spec = SimpleNamespace(method="draft_model",
                            target_model_config=SimpleNamespace(get_vocab_size=lambda: 96),
@@ -178,7 +189,8 @@ def test_entry_point_loads_the_plugin_in_a_fresh_process(models):
 
 # ----------------------------------------------------------- rejection count
 def test_count_kernel_matches_reference_in_interpreter():
-    """The Triton kernel (TRITON_INTERPRET=1, fresh process) equals the torch reference on ragged rows."""
+    """The Triton kernel (TRITON_INTERPRET=1, fresh process) equals the torch reference on ragged rows,
+    outputs and backup-token table alike."""
     code = textwrap.dedent("""
         import os, torch
         assert os.environ["TRITON_INTERPRET"] == "1"
@@ -193,17 +205,25 @@ def test_count_kernel_matches_reference_in_interpreter():
             j = torch.arange(S)[None]
             sampled = torch.where(j < valid[:, None], sampled, -1).to(torch.int32)
             discard = torch.rand(R, generator=g) < 0.3
-            backup = torch.randint(0, vocab, (R,), generator=g, dtype=torch.int32)
-            got = k.count_valid(sampled, discard, backup, vocab, max_programs=3)
-            ref = k.count_valid_ref(sampled, discard, backup, vocab)
+            table = torch.randint(0, vocab, (R + 9,), generator=g, dtype=torch.int32)
+            slots = torch.randperm(R + 9, generator=g)[:R]               # rows own distinct slots, any order
+            tables = [table.clone(), table.clone()]
+            got = k.count_valid(sampled, discard, tables[0], slots, vocab, max_programs=3)
+            ref = k.count_valid_ref(sampled, discard, tables[1], slots, vocab)
             for a, b in zip(got, ref):
                 assert a.dtype == torch.int32 and torch.equal(a, b), (R, S, a, b)
+            assert torch.equal(tables[0], tables[1])
             # independent check of the formulas
             ok = (sampled != -1) & (sampled < vocab)
             assert torch.equal(ref[1], torch.where(discard, 0, ok.sum(1)).to(torch.int32))
+            expect = table.clone()
+            expect[slots] = ref[0]
+            assert torch.equal(tables[1], expect)
         s = torch.tensor([[3, 4, -1, -1], [7, -1, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 99]], dtype=torch.int32)
-        nxt, val = k.count_valid(s, torch.tensor([False, True, False, False]), torch.tensor([11, 12, 13, 14], dtype=torch.int32), 50)
+        table = torch.tensor([0, 14, 13, 12, 11, 0], dtype=torch.int32)
+        nxt, val = k.count_valid(s, torch.tensor([False, True, False, False]), table, torch.tensor([4, 3, 2, 1]), 50)
         assert nxt.tolist() == [4, 12, 13, 3] and val.tolist() == [2, 0, 0, 3], (nxt, val)
+        assert table.tolist() == [0, 3, 13, 12, 4, 0], table
         print("OK")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -273,6 +293,8 @@ def test_unknown_setting_is_refused_at_config_time(models):
     target, draft = models
     with pytest.raises(Exception, match=r"unknown key\(s\) \['steps'\]"):
         _llm(target, draft, flag=True, additional={"spec_graph": {"steps": 2}})
+    with pytest.raises(Exception, match=r"'steps_per_graph'\] must be 1 inside vLLM"):
+        _llm(target, draft, flag=True, additional={"spec_graph": {"steps_per_graph": 2}})
 
 
 def test_cache_that_does_not_fit_is_refused(models, monkeypatch):
@@ -338,25 +360,37 @@ def _step(d, rows, token_ids_cpu, cu_num_draft=None, valid=None, alive=()):
 
 
 def _check_counts_against_vllm(d):
-    """prepare_next_token_ids_padded equals vLLM's own (per-request CPU loop + its kernel) on ragged rows."""
+    """prepare_next_token_ids_padded equals vLLM's own (per-request CPU loop + its kernel) on ragged rows, over
+    two steps; in the second the backup tokens come from the device table, not from the host arrays."""
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
     g = torch.Generator().manual_seed(0)
     R, S = 4, K + 1
-    sampled = torch.randint(0, 96, (R, S), generator=g, dtype=torch.int32)
-    valid = torch.tensor([S, 1, 2, 1])  # all accepted; a prefill row; one accepted; a discarded row
-    sampled = torch.where(torch.arange(S)[None] < valid[:, None], sampled, -1).to(torch.int32)
-    discard = torch.tensor([False, False, False, True])
     ids = np.arange(R * 64).reshape(R, 64) % 96
     num_tokens = np.array([10, 7, 12, 5])
-    batch = SimpleNamespace(num_reqs=R, req_ids=[f"r{i}" for i in range(R)], token_ids_cpu=ids,
-                            num_tokens_no_spec=num_tokens, vocab_size=96)
     requests = {f"r{i}": SimpleNamespace(get_token_id=lambda j, i=i: int(ids[i, j])) for i in range(R)}
-    got = d.prepare_next_token_ids_padded(sampled, requests, batch, discard)
-    ref = DraftModelProposer.prepare_next_token_ids_padded(d, sampled, requests, batch, discard)
-    assert got[1].tolist() == [S, 1, 2, 0]
-    for a, b in zip(got, ref):
-        assert a.dtype == torch.int32 and a.tolist() == b.tolist()
+    runner, d.runner = d.runner, SimpleNamespace(requests=requests)
+    try:
+        for step, (valid, discard) in enumerate([([S, 1, 2, 1], [False, False, False, True]),
+                                                 ([2, 1, 1, 3], [True, True, False, True])]):
+            sampled = torch.randint(0, 96, (R, S), generator=g, dtype=torch.int32)
+            valid, discard = torch.tensor(valid), torch.tensor(discard)
+            sampled = torch.where(torch.arange(S)[None] < valid[:, None], sampled, -1).to(torch.int32)
+            batch = SimpleNamespace(num_reqs=R, req_ids=[f"r{i}" for i in range(R)], token_ids_cpu=ids,
+                                    num_tokens_no_spec=num_tokens, vocab_size=96)
+            ref = DraftModelProposer.prepare_next_token_ids_padded(d, sampled, requests, batch, discard)
+            if step:  # the host arrays are not read for rows whose slot already has its backup token
+                batch.token_ids_cpu = np.full_like(ids, -7)
+            got = d.prepare_next_token_ids_padded(sampled, requests, batch, discard)
+            assert got[1].tolist() == torch.where(discard, 0, valid).tolist()
+            for a, b in zip(got, ref):
+                assert a.dtype == torch.int32 and a.tolist() == b.tolist(), (step, a, b)
+            for i in range(R):  # vLLM's bookkeeping: append the valid tokens
+                n = int(got[1][i])
+                ids[i, num_tokens[i]: num_tokens[i] + n] = sampled[i, :n].numpy()
+                num_tokens[i] += n
+    finally:
+        d.runner = runner
 
 
 def test_proposer_slots_by_request_id_prefix_hits_and_hidden_states_none(models):
@@ -367,7 +401,7 @@ def test_proposer_slots_by_request_id_prefix_hits_and_hidden_states_none(models)
     try:
         d = _drafter(llm)
         runner = d.runner
-        m = d.sg_model
+        m = d.core.model
         Pa, Pb, Pc = [5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15], [40, 41, 42, 43, 44, 45, 46, 47, 48]
         na, nb, nc = 17, 18, 19
         ids = {"a": np.array(Pa + [na] + [0] * 40), "b": np.array(Pb + [nb] + [0] * 40),
@@ -389,13 +423,13 @@ def test_proposer_slots_by_request_id_prefix_hits_and_hidden_states_none(models)
                    cu_num_draft=[0, K], valid=[1, 1])
         assert s3[0] == _reference_drafts(m, Pc + [nc], K)
         assert s3[1] == _reference_drafts(m, seq_b + [23], K)
-        assert set(d.slot_of) == {"b", "c"}
+        assert set(d.core.slot_of) == {"b", "c"}
         # step 4: b was preempted and is recomputed from a prefix hit of 3: prefilled from its own ids
         seq_b = seq_b + [23]
         ids["b"] = np.array(seq_b + [0] * 40)
         s4 = _step(d, [("b", 3, seq_b[3:], 24)], ids)
         assert s4[0] == _reference_drafts(m, seq_b + [24], K)
-        assert set(d.slot_of) == {"b"}
+        assert set(d.core.slot_of) == {"b"}
         d.runner = runner
         _check_counts_against_vllm(d)
     finally:
@@ -409,7 +443,7 @@ def test_proposer_evicts_least_recent_unscheduled_request(models):
     llm = _llm(target, draft, flag=True)
     try:
         d = _drafter(llm)
-        runner, m = d.runner, d.sg_model
+        runner, m = d.runner, d.core.model
         prompts = {r: [10 + 7 * i + j for j in range(5)] for i, r in enumerate("abcde")}
         ids = {r: np.array(p + [50 + i]) for i, (r, p) in enumerate(prompts.items())}
         for r in "abcd":  # one at a time, so "a" ran least recently
@@ -417,12 +451,12 @@ def test_proposer_evicts_least_recent_unscheduled_request(models):
             assert out[0] == _reference_drafts(m, list(ids[r]), K)
         out = _step(d, [("e", 0, prompts["e"], int(ids["e"][5]))], ids, alive="abcd")
         assert out[0] == _reference_drafts(m, list(ids["e"]), K)
-        assert "a" not in d.slot_of and set(d.slot_of) == set("bcde")
+        assert "a" not in d.core.slot_of and set(d.core.slot_of) == set("bcde")
         # "a" returns with its prompt computed (prefix hit): prefilled into b's slot, the least recent now
         ids["a"] = np.array(list(ids["a"]) + [77])
         out = _step(d, [("a", 6, [77], 78)], ids, alive="bcde")
         assert out[0] == _reference_drafts(m, list(ids["a"]) + [78], K)
-        assert set(d.slot_of) == set("acde")
+        assert set(d.core.slot_of) == set("acde")
         d.runner = runner
     finally:
         _shutdown(llm)
@@ -437,14 +471,14 @@ def test_decode_steps_replay_one_graph_per_bucket(models):
     try:
         eager = _generate(llm, PROMPTS[:3])
         eager_counts = _spec_counts(llm)
-        assert _drafter(llm).graphs is None  # CPU: nothing captured
+        assert _drafter(llm).core.graphs is None  # CPU: nothing captured
     finally:
         _shutdown(llm)
     llm = _llm(target, draft, flag=True, additional=add)
     events = []
     try:
         d = _drafter(llm)
-        d.platform = fake_platform(events)
+        d.core.platform = fake_platform(events)
         outs = _generate(llm, PROMPTS[:3])
         counts = _spec_counts(llm)
     finally:
@@ -452,8 +486,8 @@ def test_decode_steps_replay_one_graph_per_bucket(models):
     assert outs == eager and counts == eager_counts and counts[0] > 0
     for p, o in zip(PROMPTS, outs):
         assert o == hf_greedy(target, p, 24, eos=1)
-    assert 4 in d.graphs.graphs and set(d.graphs.graphs) <= {2, 4} and not d.graphs.failed
-    assert events.count("record") == len(d.graphs.graphs)
+    assert 4 in d.core.graphs.graphs and set(d.core.graphs.graphs) <= {2, 4} and not d.core.graphs.failed
+    assert events.count("record") == len(d.core.graphs.graphs)
     assert events.count("replay") >= 24 // (K + 1)  # every decode step replays
 
 
@@ -474,7 +508,7 @@ def test_uncovered_draft_architecture_falls_back_to_vllms_drafter(models, tmp_pa
         llm = _llm(target, tmp_path / "gpt2", flag=True)
     try:
         d = _drafter(llm)
-        assert isinstance(d, proposer.SpecGraphProposer) and d.fallback and d.sg_model is None
+        assert isinstance(d, proposer.SpecGraphProposer) and d.fallback and d.core is None
         outs = _generate(llm, PROMPTS[:2], max_tokens=12)
         drafted, _ = _spec_counts(llm)
     finally:

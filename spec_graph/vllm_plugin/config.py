@@ -2,6 +2,15 @@
 
 ``additional_config["enable_spec_graph"]`` (bool) turns the plugin on;
 ``additional_config["spec_graph"]`` (dict) tunes it. Unknown keys are refused.
+
+- ``batch_buckets``: padded batch sizes that get a captured draft graph each
+  (CUDA/NPU); a decode batch runs in the smallest bucket >= its size, a larger
+  one runs uncaptured. Default: 1, 2, 4, ... up to ``max_num_seqs``.
+- ``steps_per_graph``: accepted for symmetry with ``SpecGraphConfig`` but must
+  be 1. vLLM's runner calls the drafter once per step and runs the target's
+  verify and the rejection sampler itself between two calls, so a draft graph
+  cannot span several steps (spec-graph's own engine, which owns the verify,
+  can: ``SpecGraphConfig(steps_per_graph=N)``).
 """
 from __future__ import annotations
 
@@ -9,15 +18,18 @@ from dataclasses import dataclass
 
 FLAG = "enable_spec_graph"
 SECTION = "spec_graph"
-# batch_buckets: padded batch sizes that get a captured draft graph each (CUDA/NPU);
-# a decode batch runs in the smallest bucket >= its size, a larger one runs uncaptured.
-KNOWN_KEYS = ("batch_buckets",)
+KNOWN_KEYS = ("batch_buckets", "steps_per_graph")
 
 
 @dataclass(frozen=True)
 class PluginSettings:
     enabled: bool = False
     batch_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
+    steps_per_graph: int = 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def parse(additional_config) -> PluginSettings:
@@ -38,11 +50,21 @@ def parse(additional_config) -> PluginSettings:
     buckets = section.get("batch_buckets")
     if buckets is not None:
         if (not isinstance(buckets, (list, tuple)) or not buckets
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets)):
+                or not all(_is_int(b) and b > 0 for b in buckets)):
             raise ValueError(f"additional_config[{SECTION!r}]['batch_buckets'] must be a non-empty list of "
                              f"positive ints, got {buckets!r}")
         buckets = tuple(sorted(set(buckets)))
-    return PluginSettings(enabled=flag, batch_buckets=buckets)
+    steps = section.get("steps_per_graph")
+    steps = 1 if steps is None else steps
+    if not _is_int(steps) or steps < 1:
+        raise ValueError(f"additional_config[{SECTION!r}]['steps_per_graph'] must be a positive int, got {steps!r}")
+    if steps != 1:
+        raise ValueError(
+            f"additional_config[{SECTION!r}]['steps_per_graph'] must be 1 inside vLLM, got {steps}: vLLM's runner "
+            f"calls the drafter once per step and runs the target verify and rejection sampling itself between "
+            f"calls, so one draft graph cannot cover several steps (steps_per_graph > 1 is for spec-graph's own "
+            f"engine, SpecGraphConfig)")
+    return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=steps)
 
 
 def check_vllm_config(vllm_config) -> PluginSettings:
