@@ -2,11 +2,12 @@
 
 Entry point ``vllm.general_plugins: spec_graph = spec_graph.vllm_plugin:register``.
 vLLM calls ``register()`` once in every process it starts (engine core,
-workers), so it only installs two small patches, is idempotent, and imports
-nothing vLLM has not imported by then (``vllm.config``): with ``additional_config["enable_spec_graph"]`` unset or false,
-vLLM behaves exactly as without spec-graph.
+workers), so it only installs small patches, is idempotent, and imports
+nothing vLLM has not imported by then (``vllm.config``; vllm-ascend is looked up,
+not imported): with ``additional_config["enable_spec_graph"]`` unset or false,
+vLLM and vllm-ascend behave exactly as without spec-graph.
 
-The patches of vLLM (each also documented where it is applied below):
+The patches of vLLM and vllm-ascend (each also documented where it is applied below):
 
 1. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer`` (a module-level name)
    is replaced by ``DraftModelProposerSwitch``.
@@ -35,6 +36,23 @@ The patches of vLLM (each also documented where it is applied below):
    When it can go: when vLLM validates ``additional_config`` through a plugin
    hook.
 
+3. ``vllm_ascend.spec_decode.get_spec_decode_method`` is wrapped, only where
+   vllm-ascend is installed (details and the vllm-ascend APIs in ``ascend.py``).
+   Why: vllm-ascend's NPU runner builds its drafter through this factory
+   (``AscendDraftModelProposer(vllm_config, device, runner)`` for
+   ``draft_model``) and offers no hook to choose another class.
+   How: with the flag on and method ``draft_model`` the wrapper builds
+   ``ascend.AscendSpecGraphProposer``, a subclass of both spec-graph's proposer
+   and ``AscendDraftModelProposer`` (so the runner's ``isinstance`` checks hold)
+   that captures through spec-graph's NPU platform; otherwise it calls the
+   original, so with the flag off the drafter is exactly vllm-ascend's own
+   class. The runner imports the factory by name, so the wrapper is also
+   rebound in every loaded ``vllm_ascend.*`` module that holds the original.
+   Applied at once when ``vllm_ascend.spec_decode`` is loaded, else by a
+   one-shot import hook right after it first runs.
+   When it can go: when vllm-ascend lets a plugin choose the drafter class for a
+   method (e.g. a proposer registry behind ``get_spec_decode_method``).
+
 Besides these, ``proposer.SpecGraphProposer`` only overrides methods of its
 parent class (no patching): it lifts ``_raise_if_padded_drafter_batch_disabled``
 (vLLM 0.32 refuses ``disable_padded_drafter_batch`` for draft models; spec-graph
@@ -51,6 +69,7 @@ import sys
 log = logging.getLogger("spec_graph")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+ASCEND_MODULE = "vllm_ascend.spec_decode"
 _state = {"registered": False, "config_patched": False}
 
 
@@ -60,10 +79,11 @@ def register() -> None:
         return
     _state["registered"] = True
     _patch_config()
-    if RUNNER_MODULE in sys.modules:
-        _patch_runner(sys.modules[RUNNER_MODULE])
-    else:
-        sys.meta_path.insert(0, _RunnerImportHook())
+    _patch_when_imported(_RunnerImportHook)
+    from . import ascend
+
+    if ascend.installed():
+        _patch_when_imported(_AscendImportHook)
 
 
 def _patch_runner(module) -> None:
@@ -76,11 +96,29 @@ def _patch_runner(module) -> None:
     module._spec_graph_patched = True
 
 
-class _RunnerImportHook(importlib.abc.MetaPathFinder):
-    """Applies patch 1 right after ``vllm.v1.worker.gpu_model_runner`` is first executed, then removes itself."""
+def _patch_ascend(module) -> None:
+    # Patch 3 (see the module docstring): wrap vllm-ascend's drafter factory.
+    from .ascend import patch_spec_decode
+
+    patch_spec_decode(module)
+
+
+def _patch_when_imported(hook_cls) -> None:
+    """Patch the hook's module now if it is loaded, else right after its first import."""
+    if hook_cls.module_name in sys.modules:
+        hook_cls.patch(sys.modules[hook_cls.module_name])
+    else:
+        sys.meta_path.insert(0, hook_cls())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after module ``module_name`` is first executed, then removes itself."""
+
+    module_name: str  # set by each subclass, with
+    patch: staticmethod  # the function that patches that module
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != RUNNER_MODULE:
+        if fullname != self.module_name:
             return None
         sys.meta_path.remove(self)  # find the real spec without this hook in the way
         spec = importlib.util.find_spec(fullname)
@@ -88,13 +126,28 @@ class _RunnerImportHook(importlib.abc.MetaPathFinder):
             return spec
         loader = spec.loader
         real_exec = loader.exec_module
+        patch = self.patch
 
         def exec_module(module):
             real_exec(module)
-            _patch_runner(module)
+            patch(module)
 
         loader.exec_module = exec_module
         return spec
+
+
+class _RunnerImportHook(_PatchOnImport):
+    """Patch 1, for vLLM's GPU model runner module."""
+
+    module_name = RUNNER_MODULE
+    patch = staticmethod(_patch_runner)
+
+
+class _AscendImportHook(_PatchOnImport):
+    """Patch 3, for vllm-ascend's spec_decode package."""
+
+    module_name = ASCEND_MODULE
+    patch = staticmethod(_patch_ascend)
 
 
 def _patch_config() -> None:
