@@ -5,6 +5,14 @@ from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+CACHE_ALIGN = 16  # cache positions: rows of attention scores stay 32-byte aligned for the matmul kernels
+
+
+def cache_length(max_len: int, num_speculative_tokens: int) -> int:
+    """Positions in a static KV cache: speculation writes up to K+1 past the committed end, and the
+    length is rounded up to CACHE_ALIGN (an odd length pushes cuBLAS onto slow unaligned kernels)."""
+    need = max_len + num_speculative_tokens + 2
+    return -(-need // CACHE_ALIGN) * CACHE_ALIGN
 
 
 @dataclass
@@ -48,6 +56,10 @@ class SpecGraphConfig:
         self.batch_buckets = buckets
         if not isinstance(self.steps_per_graph, int) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
+
+    @property
+    def cache_len(self) -> int:
+        return cache_length(self.max_len, self.num_speculative_tokens)
 
     def bucket_for(self, batch: int) -> int:
         """The smallest bucket holding `batch` rows (the batch itself above the largest bucket)."""

@@ -100,9 +100,18 @@ class SpecDecoder(DecoderBase):
             if compiled:
                 from .backend import spec_graph_backend
 
-                fn = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
-                                   options={"capture": False, "device": self.platform.name,
-                                            "passes": dict(self.config.passes)})
+                compiled_step = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
+                                              options={"capture": False, "device": self.platform.name,
+                                                       "passes": dict(self.config.passes)})
+
+                def fn(st, out_buf, acc_log, *rest):
+                    # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
+                    # dimension is symbolic there, and each bucket's graph is still captured at its own size.
+                    if st["tail"].shape[0] > 1:
+                        for t in (*st.values(), out_buf, acc_log):
+                            torch._dynamo.maybe_mark_dynamic(t, 0)
+                    return compiled_step(st, out_buf, acc_log, *rest)
+
             self._fns[greedy] = fn
         return fn
 

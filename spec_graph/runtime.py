@@ -103,7 +103,7 @@ class DecoderBase:
         self.K = K
         # state rows: room for the largest bucket the slots may need (an export fixes its own)
         self.rows = rows or config.bucket_for(S)
-        self.cache_len = config.max_len + K + 2  # speculation writes up to K+1 past the committed end
+        self.cache_len = config.cache_len
         self.target_kv, self.draft_kv = self._new_kv_caches(self.rows, self.cache_len)
         R, dev = self.rows, self.device
         i64 = dict(dtype=torch.long, device=dev)

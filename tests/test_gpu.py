@@ -1,4 +1,8 @@
-"""GPU runs (CUDA/NPU): eager engine == HF, captured bf16 == eager bf16, N-step == 1-step, fallback."""
+"""GPU runs (CUDA/NPU): eager engine == HF, captured bf16 == eager bf16, N-step == 1-step, fallback,
+and an export loaded and captured on the device == the in-process captured engine.
+
+The captured engine is shared: buckets above 1 share one compile, so the module compiles the step
+four times (greedy and sampling, each at size 1 and at a symbolic batch)."""
 import logging
 
 import pytest
@@ -61,9 +65,33 @@ def test_multi_step_equals_single_step_captured(captured, eager_bf16):
         captured.reset_graphs(steps_per_graph=1)
 
 
-def test_oversized_batch_falls_back(eager_bf16, caplog):
-    dec = pair_engine(max_batch_size=4, batch_buckets=(1, 2))
-    with caplog.at_level(logging.WARNING, logger="spec_graph"):
-        out = dec.generate(PROMPTS, 48)
-    assert [r.token_ids for r in out] == eager_bf16
-    assert len([r for r in caplog.records if "uncaptured" in r.getMessage()]) == 1
+def test_oversized_batch_falls_back(captured, eager_bf16, caplog):
+    # the same engine with its largest bucket (4) dropped: a batch of 4 runs the compiled step uncaptured
+    buckets = captured.config.batch_buckets
+    captured.config.batch_buckets = (1, 2)
+    captured.reset_graphs()
+    try:
+        with caplog.at_level(logging.WARNING, logger="spec_graph"):
+            out = captured.generate(PROMPTS, 48)
+        assert set(captured.graphs.graphs) == {(True, 1), (True, 2)}
+        assert [r.token_ids for r in out] == eager_bf16
+        assert len([r for r in caplog.records if "uncaptured" in r.getMessage()]) == 1
+    finally:
+        captured.config.batch_buckets = buckets
+        captured.reset_graphs()
+
+
+def test_export_loaded_and_captured_equals_engine(tmp_path):
+    # fp32: the export's prefill is compiled and the engine's is eager, and bf16 rounding would differ
+    from spec_graph.export import export_pair, load_exported
+
+    pkg = tmp_path / "pair.pt2"
+    meta = export_pair(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", pkg, num_speculative_tokens=4,
+                       batch_sizes=(1, 4), max_len=128, dtype="float32", progress=False)
+    assert meta["device"] == "cuda"
+    runner = load_exported(pkg)
+    out = runner.generate(PROMPTS, 48)
+    assert set(runner.graphs.graphs) == {(True, 1), (True, 4)} and not runner.graphs.failed
+    eager = pair_engine(enable_graph=False, max_batch_size=4, dtype="float32")
+    assert [r.token_ids for r in out] == [r.token_ids for r in eager.generate(PROMPTS, 48)]
+    assert pkg.stat().st_size <= 1.1 * meta["weight_bytes"]

@@ -38,9 +38,25 @@ def eager_tokens(llama_pair):
     return [r.token_ids for r in engine(llama_pair, max_batch_size=4).generate(PROMPTS, 20)]
 
 
-def test_compiled_engine_equals_eager(llama_pair, eager_tokens):
-    dec = engine(llama_pair, enable_graph=True, max_batch_size=4, batch_buckets=(4,))
+def test_compiled_engine_equals_eager(llama_pair, eager_tokens, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from spec_graph.passes.manager import PassManager
+
+    runs = []
+    orig = PassManager.__call__
+    monkeypatch.setattr(PassManager, "__call__", lambda self, g: (orig(self, g), runs.append(self.last_counts))[0])
+    dec = engine(llama_pair, enable_graph=True, max_batch_size=4, batch_buckets=(1, 2, 4))
     assert dec.compiled and dec.graphs is None  # CPU: compiled, no capture
+    before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for b in (4, 2, 1, 4, 2):
+            dec._step_fn(True)(*dec._step_args(b))
+    # buckets above 1 share one compile with a symbolic batch; size 1 gets its own
+    assert counters["stats"]["unique_graphs"] - before == 2
+    # the fusion fires on the symbolic-batch graph as on the static one
+    assert [r["fuse_greedy_accept"] for r in runs] == [1, 1]
+    dec.state["active"].zero_()
     assert [r.token_ids for r in dec.generate(PROMPTS, 20)] == eager_tokens
 
 

@@ -262,11 +262,33 @@ def to_pattern(gm: torch.fx.GraphModule, argnames, loose: bool):
     pattern); otherwise every literal must be equal (the per-shape check)."""
     pm = _pm()
     ignore = (int, float, list, torch.device, torch.dtype) if loose else ()
-    p = pm.fx_to_pattern(gm, ignore_types=ignore, argnames=list(argnames))
+    argnames = list(argnames) + _sizes_as_inputs(gm)
+    p = pm.fx_to_pattern(gm, ignore_types=ignore, argnames=argnames)
     outs = list(p.outputs) if isinstance(p, pm.MultiOutputPattern) else [p]
     pattern = _partial_outputs_cls()([outs[-1], *outs[:-1]])
     _relax_users(pattern)
     return pattern
+
+
+def _sizes_as_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Turn ``sym_size`` nodes (a trace at symbolic shapes) into extra inputs; return their names.
+
+    In the graph being rewritten a symbolic size is a graph input of its own, not a
+    ``sym_size`` of the tensor, so the pattern must accept any node there."""
+    sizes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int]
+    if not sizes:
+        return []
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    names = []
+    for i, n in enumerate(sizes):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"_size{i}")
+        last.meta.update(n.meta)
+        n.replace_all_uses_with(last)
+        gm.graph.erase_node(n)
+        names.append(last.name)
+    gm.recompile()
+    return names
 
 
 def _ancestors(nodes, stop: set) -> set:
@@ -452,7 +474,7 @@ class FusionPass:
         """The pattern at the matched shapes with every literal kept (K, PLACEHOLDER, clamps,
         dtypes): what register_replacement's own re-check does, cached per shape."""
         key = (self.style, fname, variant,
-               *((tuple(int(d) for d in v.shape), v.dtype, str(v.device)) for v in vals.values()))
+               *((tuple(map(_dim_key, v.shape)), v.dtype, str(v.device)) for v in vals.values()))
         cache = _class_cache(type(self), "_strict_patterns")
         if key not in cache:
             fake_mode = torch._dynamo.utils.detect_fake_mode(list(vals.values()))
@@ -495,6 +517,11 @@ class FusionPass:
             cursor = new
         _erase_dead(graph, sm.nodes)
         self.last_formulations.append(fname)
+
+
+def _dim_key(d):
+    """A size as a cache key; a symbolic size stays symbolic (int() would specialise it)."""
+    return d if isinstance(d, int) else str(d)
 
 
 def _class_cache(cls, name: str) -> dict:
