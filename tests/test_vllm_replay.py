@@ -33,6 +33,19 @@ def _assert_same(results):
             assert a.dtype == b.dtype and torch.equal(a, b), (i, a, b)
 
 
+def _count_static_runs(core, name: str) -> list:
+    """Wrap ``core.<name>`` (the captured or compiled bucket path); the list gets True per call it served."""
+    used, run = [], getattr(core, name)
+
+    def counting(Bp, inputs):
+        out = run(Bp, inputs)
+        used.append(out is not None)
+        return out
+
+    setattr(core, name, counting)
+    return used
+
+
 def test_fixture_is_small_and_covers_the_cases(fixture):
     size = sum(f.stat().st_size for f in DEFAULT_DIR.rglob("*") if f.is_file())
     assert size < 400 * 1024
@@ -60,21 +73,24 @@ def test_cpu_replay_equals_recorded(fixture):
     assert core.graphs is None  # uncaptured on CPU
 
 
+def test_cpu_compiled_chain_replay_equals_recorded(fixture):
+    """Without graphs, decode steps run the chain compiled by the spec_graph backend (compiled once, in the
+    warm-up: every decode batch pads to bucket 4, so padding rows are exercised too); same tokens as eager."""
+    core = new_core(fixture, "cpu", buckets=(4,), plat=platform.Platform("cpu"), compile_chain=True)
+    core.warm_up()
+    assert core.compiled is not None and core.compile_chain
+    used = _count_static_runs(core, "_run_compiled")
+    _assert_same(replay(fixture, core))
+    assert core.compile_chain and len(used) >= 20 and all(used) and core.graphs is None
+
+
 @pytest.mark.gpu
 def test_gpu_captured_replay_equals_cpu(fixture):
     plat = platform.current()
     m = fixture.meta
     # Buckets of every size: no padding rows, so each captured batch has the recorded shape.
     core = new_core(fixture, plat.device, buckets=tuple(range(1, m["max_num_seqs"] + 1)), plat=plat)
-    replayed = []
-    run_captured = core._run_captured
-
-    def counting(Bp, inputs):
-        out = run_captured(Bp, inputs)
-        replayed.append(out is not None)
-        return out
-
-    core._run_captured = counting
+    replayed = _count_static_runs(core, "_run_captured")
     _assert_same(replay(fixture, core))
     decode_steps = sum(
         1 for i, c in enumerate(fixture.calls) if c["fn"] == "propose"

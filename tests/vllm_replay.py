@@ -145,13 +145,14 @@ class Fixture:
         return [torch.from_numpy(self.arrays[f"{i}.{n}"]) for n in names]
 
 
-def new_core(fixture: Fixture, device, buckets=None, plat=None):
+def new_core(fixture: Fixture, device, buckets=None, plat=None, compile_chain=False):
     from spec_graph.models import load_model
     from spec_graph.vllm_plugin.proposer import DraftCore
 
     m = fixture.meta
     model = load_model(fixture.path / "draft", dtype=torch.float32, device=device)
-    return DraftCore(model, m["K"], m["max_num_seqs"], m["max_model_len"], buckets=buckets, plat=plat)
+    return DraftCore(model, m["K"], m["max_num_seqs"], m["max_model_len"], buckets=buckets, plat=plat,
+                     compile_chain=compile_chain)
 
 
 def replay(fixture: Fixture, core) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:

@@ -31,13 +31,11 @@ def count_valid_ref(sampled: torch.Tensor, discard: torch.Tensor, table: torch.T
                     vocab_size: int):
     """Torch reference: returns (next_token_ids int32 [R], valid_count int32 [R]) and updates ``table``."""
     R, S = sampled.shape
-    j = torch.arange(S, device=sampled.device)[None, :]
     ok = (sampled >= 0) & (sampled < vocab_size)  # PLACEHOLDER is negative
-    valid = torch.where(discard, 0, ok.sum(dim=1))
-    last = torch.where(ok, j, -1).amax(dim=1)
-    last_tok = sampled.gather(1, last.clamp(min=0)[:, None])[:, 0]
-    nxt = torch.where(valid > 0, last_tok, table[slots].to(sampled.dtype)).to(torch.int32)
-    table[slots] = nxt.to(table.dtype)
+    valid = ok.sum(dim=1).masked_fill_(discard, 0)
+    last = (ok * torch.arange(1, S + 1, device=sampled.device)).argmax(dim=1, keepdim=True)  # 0 if none valid
+    nxt = torch.where(valid > 0, sampled.gather(1, last)[:, 0], table[slots].to(sampled.dtype)).to(torch.int32)
+    table[slots] = nxt
     return nxt, valid.to(torch.int32)
 
 

@@ -41,6 +41,7 @@ from .kernels import count_valid
 log = logging.getLogger("spec_graph")
 
 _warned_fallback = False
+MIN_SPAN = 32  # shortest cache span attended over (a power of two)
 
 
 def available_memory(device: torch.device) -> int:
@@ -70,7 +71,7 @@ class DraftCore:
     """
 
     def __init__(self, model, num_speculative_tokens: int, max_slots: int, max_model_len: int,
-                 buckets: tuple[int, ...] | None = None, plat=None):
+                 buckets: tuple[int, ...] | None = None, plat=None, compile_chain: bool = False):
         self.model = model
         self.K = int(num_speculative_tokens)
         self.max_slots = int(max_slots)
@@ -86,9 +87,12 @@ class DraftCore:
         self.slot_last_pos0: dict[int, int] = {}
         self.slot_last_step: dict[int, int] = {}
         self.step = 0
-        self.graphs = None  # GraphSet of the draft chain per padded batch (CUDA/NPU), built on first use
-        self.static: dict = {}
-        self._slot_tensor = ((), None)  # (slots, device tensor): decode steps reuse it
+        self.graphs = None  # GraphSet: the draft chain per (padded batch, cache span) on CUDA/NPU
+        self.static: dict = {}  # static input buffers per padded batch
+        # Without graphs (CPU), decode steps can run the chain compiled by the spec_graph backend instead.
+        self.compiled = None
+        self.compile_chain = bool(compile_chain) and not self.platform.supports_graphs
+        self._slot_tensor = (None, None)  # (slots, device tensor): steps with the same rows reuse it
 
     # ------------------------------------------------------------------ slots
     def _release(self, live) -> None:
@@ -130,6 +134,7 @@ class DraftCore:
         return slots, self._slot_tensor[1]
 
     # ------------------------------------------------------- next tokens, counts
+    @torch.inference_mode()
     def next_tokens(self, sampled, discard, req_ids, num_tokens, token_ids, vocab_size: int, live=None):
         """(next_token_ids, valid_count), int32 [R], in one kernel launch; final on return.
 
@@ -149,7 +154,7 @@ class DraftCore:
         return count_valid(sampled, discard, self.backup, slot_t, vocab_size)
 
     # ------------------------------------------------------------------ propose
-    def _prefill_missing(self, req_ids, slots, pos0, token_ids) -> None:
+    def _prefill_missing(self, slots, pos0, token_ids) -> None:
         """Prefill the whole prefix of rows that are new, resumed, or were missed by the previous step."""
         for i, slot in enumerate(slots):
             p0 = int(pos0[i])
@@ -171,32 +176,44 @@ class DraftCore:
         tokens, ``query_start_loc`` [B+1] their row offsets (``query_start_loc_cpu`` the same on the host),
         ``valid_count`` / ``num_draft`` [B] the step's counts (zeros without drafts), ``next_token_ids`` [B].
         Decode-only steps (every row at most K+1 tokens) of at most the largest bucket replay one captured
-        graph per padded batch where the platform has graphs; other steps run the same function uncaptured.
+        graph per (padded batch, cache span) where the platform has graphs, or run the compiled chain where
+        it is enabled; other steps run the same function eagerly. Every path attends over the span only.
         """
         B, K = len(req_ids), int(num_speculative_tokens)
         self._release(live)
         slots, slot_t = self.slots(req_ids)
-        self._prefill_missing(req_ids, slots, pos0, token_ids)
+        self._prefill_missing(slots, pos0, token_ids)
         self.step += 1
         qsl_cpu = query_start_loc_cpu[: B + 1]
         max_q = int((qsl_cpu[1:] - qsl_cpu[:-1]).max()) if B else 0
         inputs = {"tokens": target_token_ids, "positions": positions[: target_token_ids.shape[0]],
                   "qsl": query_start_loc[: B + 1], "valid": valid_count[:B], "num_draft": num_draft[:B],
                   "next": next_token_ids[:B], "slots": slot_t}
-        if self.platform.supports_graphs and B and max_q <= K + 1 and K == self.K:
+        static = (self.platform.supports_graphs or self.compile_chain) and B and max_q <= K + 1 and K == self.K
+        # Attend over the cache prefix this step can reach, not the whole buffer (static steps: T = K + 2).
+        L = self.cache_span(int(np.max(np.asarray(pos0)[:B])) if B else 0, K + 1 if static else max_q, K)
+        if static:
             Bp = next((b for b in self.buckets if b >= B), None)
             if Bp is not None:
-                out = self._run_captured(Bp, inputs)
+                run = self._run_captured if self.platform.supports_graphs else self._run_compiled
+                out = run((Bp, L), inputs)
                 if out is not None:
                     return out.clone()
-        # Uncaptured: attend over the cache prefix this step can reach, not the whole buffer.
-        reach = int(np.max(np.asarray(pos0)[:B])) + max_q + K + 1 if B else 1
-        L = min(self.cache_len, 1 << max(reach - 1, 1).bit_length())
         return self.draft_chain(inputs["tokens"], inputs["positions"], inputs["qsl"], inputs["valid"],
-                                inputs["num_draft"], inputs["next"], inputs["slots"], max_q + 1, K, L)
+                                inputs["num_draft"], inputs["next"], inputs["slots"], max_q + 1, K, *self.span(L))
+
+    def cache_span(self, max_pos0: int, max_q: int, K: int) -> int:
+        """Cache positions a step writes or reads (up to ``max_pos0 + max_q + K``), rounded up to a power of two
+        (so static graphs come in few lengths), at least ``MIN_SPAN`` and at most the whole cache."""
+        reach = max_pos0 + max_q + K + 1
+        return min(self.cache_len, max(MIN_SPAN, 1 << (reach - 1).bit_length()))
+
+    def span(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first ``L`` positions of the K and V caches (writes through them land in the caches)."""
+        return self.k_cache[..., :L, :], self.v_cache[..., :L, :]
 
     def draft_chain(self, target_token_ids, target_positions, query_start_loc, valid_count, num_draft,
-                    next_token_ids, slots, T: int, K: int, L: int | None = None) -> torch.Tensor:
+                    next_token_ids, slots, T: int, K: int, k_cache=None, v_cache=None) -> torch.Tensor:
         """Pure tensor function (static shapes, no host sync): padded input prep + the K draft forwards.
 
         Row ``i`` has ``q_i = query_start_loc[i+1] - query_start_loc[i]`` scheduled tokens of which
@@ -205,12 +222,13 @@ class DraftCore:
         at positions ``p0_i + j``, then ``next_token_ids[i]`` at ``p0_i + v_i``; padding columns
         (j > v_i) write KV past the committed length only, which the position mask hides until later
         steps overwrite it. Draft 1 is the argmax at column ``v_i``, then K-1 single-token forwards.
-        ``L`` limits attention to the first ``L`` cache positions (default: all). Returns int64 drafts [B, K].
+        ``k_cache`` / ``v_cache`` (default: the whole cache) may be a prefix span of it (``span``): attention
+        then reads only those positions. Returns int64 drafts [B, K].
         """
         dev = target_token_ids.device
         B = slots.shape[0]
         N = target_token_ids.shape[0]
-        kc, vc = (self.k_cache, self.v_cache) if L is None else (self.k_cache[..., :L, :], self.v_cache[..., :L, :])
+        kc, vc = (self.k_cache, self.v_cache) if k_cache is None else (k_cache, v_cache)
         last_pos = kc.shape[3] - 1
         j = torch.arange(T, device=dev)[None, :]
         qsl = query_start_loc[: B + 1].to(torch.int64)
@@ -241,20 +259,14 @@ class DraftCore:
                 "num_draft": torch.zeros(Bp, **i64), "next": torch.zeros(Bp, **i64),
                 "slots": torch.full((Bp,), self.max_slots, **i64)}
 
-    def _run_captured(self, Bp: int, inputs: dict) -> torch.Tensor | None:
-        """Copy this step's inputs into bucket ``Bp``'s static buffers and replay its graph (capturing it once)."""
-        K = self.K
-        if self.graphs is None:
-            self.graphs = GraphSet(self.platform)
-            self.static = {}
+    def _static_for(self, Bp: int) -> dict:
         if Bp not in self.static:
-            st = self._static_inputs(Bp)
-            self.static[Bp] = st
-            self.graphs.capture(Bp, lambda: self.draft_chain(st["tokens"], st["positions"], st["qsl"], st["valid"],
-                                                               st["num_draft"], st["next"], st["slots"], K + 2, K))
-        st = self.static[Bp]
-        if Bp not in self.graphs:
-            return None
+            self.static[Bp] = self._static_inputs(Bp)
+        return self.static[Bp]
+
+    def _fill_static(self, Bp: int, inputs: dict) -> dict:
+        """Copy this step's inputs into bucket ``Bp``'s static buffers; padding rows use the scratch slot."""
+        st = self._static_for(Bp)
         B = inputs["slots"].shape[0]
         n = inputs["tokens"].shape[0]
         st["tokens"][:n].copy_(inputs["tokens"])
@@ -266,7 +278,67 @@ class DraftCore:
         st["valid"][B:].zero_()
         st["num_draft"][B:].zero_()
         st["slots"][B:].fill_(self.max_slots)
-        return self.graphs.replay(Bp)[:B]
+        return st
+
+    def _chain_on(self, st: dict, caches, chain=None):
+        """A no-argument call of ``chain`` (default: the eager draft chain) over static buffers ``st``."""
+        chain = chain or self.draft_chain
+        return lambda: chain(st["tokens"], st["positions"], st["qsl"], st["valid"], st["num_draft"], st["next"],
+                             st["slots"], self.K + 2, self.K, *caches)
+
+    def _run_captured(self, key: tuple[int, int], inputs: dict) -> torch.Tensor | None:
+        """Replay the graph of ``key`` = (padded batch, cache span) on this step's inputs, capturing it first if
+        new; None if it cannot be captured. Graphs of one batch share its static input buffers."""
+        Bp, L = key
+        if self.graphs is None:
+            self.graphs = GraphSet(self.platform)
+        st = self._static_for(Bp)
+        if key not in self.graphs and key not in self.graphs.failed:
+            # Capture runs the chain for real (warm-up): reset the buffers to empty rows on the scratch slot.
+            for name, t in st.items():
+                t.fill_(self.max_slots if name == "slots" else 0)
+            self.graphs.capture(key, self._chain_on(st, self.span(L)))
+        if key not in self.graphs:
+            return None
+        self._fill_static(Bp, inputs)
+        return self.graphs.replay(key)[: inputs["slots"].shape[0]]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the chain now (vLLM's warm-up, not a request's first step) for bucket 1 and for the shared
+        compile of the larger buckets, on empty rows: only the scratch slot is written. Once; no-op uncompiled."""
+        if not self.compile_chain or self.compiled is not None:
+            return
+        empty = {name: torch.zeros(1 if name == "qsl" else 0, dtype=torch.int64, device=self.device)
+                 for name in ("tokens", "positions", "qsl", "valid", "num_draft", "next", "slots")}
+        for Bp in sorted({self.buckets[0], self.buckets[-1]}):
+            self._run_compiled((Bp, MIN_SPAN), empty)
+
+    def _run_compiled(self, key: tuple[int, int], inputs: dict) -> torch.Tensor | None:
+        """The chain compiled by the spec_graph backend, over the static buffers of ``key`` = (padded batch,
+        cache span), where there are no graphs (CPU). The span's cache views are inputs with a symbolic
+        length (sliced inside the graph, a written view would make functionalization copy it), and buckets
+        above 1 share one compile with a symbolic batch. A failed compile warns once and leaves the eager
+        chain in charge (None)."""
+        if self.compiled is None:
+            from ..backend import spec_graph_backend
+
+            self.compiled = torch.compile(self.draft_chain, backend=spec_graph_backend, fullgraph=True, dynamic=False,
+                                          options={"capture": False, "device": self.platform.name})
+        Bp, L = key
+        if Bp not in self.static and Bp > 1:
+            for t in self._static_for(Bp).values():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        caches = self.span(L)
+        for t in caches:
+            torch._dynamo.maybe_mark_dynamic(t, 3)
+        try:
+            out = self._chain_on(self._fill_static(Bp, inputs), caches, self.compiled)()
+        except Exception as e:  # noqa: BLE001 - the eager chain gives the same tokens
+            log.warning("spec-graph: compiling the draft chain failed (%s: %s); it runs eagerly", type(e).__name__, e)
+            self.compile_chain = False
+            return None
+        return out[: inputs["slots"].shape[0]]
 
 
 class VllmAdapter:
@@ -313,11 +385,17 @@ class VllmAdapter:
                 f"max_model_len={self.max_model_len}, K={K}) but only {have / 2**20:.1f} MiB are free on "
                 f"{self.device}; lower max_num_seqs or max_model_len")
         model = load_model(path, dtype=self.dtype, device=self.device)
-        self.core = DraftCore(model, K, self.max_slots, self.max_model_len, buckets=self.settings.batch_buckets)
+        # Compile the chain where vLLM compiles its models (not under enforce_eager); graphs capture it anyway.
+        compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
+        self.core = DraftCore(model, K, self.max_slots, self.max_model_len, buckets=self.settings.batch_buckets,
+                              compile_chain=compiles)
 
     # The runner wires vLLM's attention machinery into its drafter; spec-graph's draft has none.
     def dummy_run(self, *args, **kwargs):
-        return super().dummy_run(*args, **kwargs) if self.fallback else None
+        if self.fallback:
+            return super().dummy_run(*args, **kwargs)
+        self.core.warm_up()  # the runner's warm-up: compile the draft chain before serving, where it compiles
+        return None
 
     def initialize_attn_backend(self, *args, **kwargs):
         return super().initialize_attn_backend(*args, **kwargs) if self.fallback else None
