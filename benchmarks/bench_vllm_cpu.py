@@ -100,7 +100,7 @@ def measure(engines, k: int, batch_sizes, max_tokens: int, prompt_len: int, roun
     for b in batch_sizes:
         prompts = [{"prompt_token_ids": [(7 * r + 3 * j) % 90 + 2 for j in range(prompt_len)]} for r in range(b)]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for llm, _, _ in engines.values():  # warm-up (and, compiled, the compile of this batch's bucket)
+        for llm, _, _ in engines.values():  # warm-up: first-use costs of this batch size stay out
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         for r in range(rounds):
             for flag in sorted(engines, reverse=bool(r % 2)):

@@ -18,7 +18,12 @@ by the previous step (a prefix-cache hit, a recomputation) first gets its
 whole prefix ``[0, first scheduled position)`` prefilled from the request's own
 token ids, so the cache has no holes. Drafts are greedy (the draft's argmax):
 vLLM's rejection sampler then treats them as one-hot proposals, which keeps
-sampling lossless.
+sampling lossless. Attention reads only the cache span a step can reach.
+
+Decode steps run as one captured graph per (padded batch, cache span) on
+CUDA/NPU. On CPU, where vLLM compiles its models (no ``enforce_eager``), they
+run the chain compiled by the ``spec_graph`` backend, compiled during the
+runner's warm-up; otherwise, and for steps with prefill chunks, eagerly.
 
 ``SpecGraphProposer`` (a subclass of vLLM's ``DraftModelProposer``, built on
 first access so that importing this module does not import vLLM) unpacks the
