@@ -59,7 +59,22 @@ FORMAT = "spec-graph-export"
 FORMAT_VERSION = 1
 META, WEIGHTS, TOKENIZER = "metadata.json", "weights.safetensors", "tokenizer.json"
 # Line tables only help profilers; without them each artifact's .so is about a third the size.
-INDUCTOR_CONFIGS = {"aot_inductor.enable_line_tables": False}
+# Older torch (2.11) lacks the option, and AOTInductor refuses keys it does not know.
+_WANTED_INDUCTOR_CONFIGS = {"aot_inductor.enable_line_tables": False}
+
+
+def _inductor_configs() -> dict:
+    """The wanted AOTInductor options this torch knows (an unknown key is an error there)."""
+    from torch._inductor import config
+
+    known = {}
+    for key, value in _WANTED_INDUCTOR_CONFIGS.items():
+        try:
+            config.__getattr__(key)  # dotted names resolve through the config module's own lookup
+        except AttributeError:
+            continue
+        known[key] = value
+    return known
 _KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")
 
 
@@ -215,7 +230,7 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
                             if n.op == "call_function" and str(n.target).startswith("spec_graph.")})
             path = Path(tmp) / f"{name}.pt2"
             with stage(f"compile {kind}"):
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=_inductor_configs())
                 _strip_sources(path)
             artifacts[name] = {"file": f"aoti/{name}.pt2", "fused_ops": fused}
 

@@ -261,3 +261,11 @@ def test_loaded_step_is_captured_per_bucket(exported, engine):
     assert [r.token_ids for r in out] == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=20)]
     assert set(runner.graphs.graphs) == {(True, b) for b in SIZES}
     assert plat.events.count("record") == len(SIZES) and plat.events.count("replay") == out.stats.steps
+
+
+def test_inductor_options_unknown_to_this_torch_are_left_out(monkeypatch):
+    from spec_graph import export
+
+    monkeypatch.setattr(export, "_WANTED_INDUCTOR_CONFIGS",
+                        {"aot_inductor.no_such_option": True, "aot_inductor.debug_compile": False})
+    assert export._inductor_configs() == {"aot_inductor.debug_compile": False}
