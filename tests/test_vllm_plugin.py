@@ -51,7 +51,8 @@ def _llm(target, draft, flag=None, extra_spec=None, additional=None, **kw):
     add = dict(additional or {})
     if flag is not None:
         add["enable_spec_graph"] = flag
-    return LLM(model=str(target), speculative_config=spec, enforce_eager=True, dtype="float32", max_model_len=256,
+    kw.setdefault("enforce_eager", True)
+    return LLM(model=str(target), speculative_config=spec, dtype="float32", max_model_len=256,
                max_num_seqs=4, seed=42, additional_config=add, disable_log_stats=False, **kw)
 
 
@@ -249,6 +250,7 @@ def test_flag_on_same_greedy_output_as_vllm_and_hf(models):
     try:
         d = _drafter(llm)
         assert type(d) is SpecGraphProposer and isinstance(d, DraftModelProposer) and not d.fallback
+        assert not d.core.compile_chain  # enforce_eager: nothing is compiled
         outs = _generate(llm)
         drafted, accepted = _spec_counts(llm)
     finally:
@@ -490,6 +492,24 @@ def test_decode_steps_replay_one_graph_per_bucket(models):
     assert 4 in buckets and buckets <= {2, 4} and not d.core.graphs.failed
     assert events.count("record") == len(d.core.graphs.graphs)
     assert events.count("replay") >= 24 // (K + 1)  # every decode step replays
+
+
+def test_compiled_mode_runs_the_compiled_draft_chain(models):
+    """Without enforce_eager vLLM compiles its models, and the draft chain is compiled too (in the runner's
+    warm-up, before any request); decode steps run it, with the target's own greedy tokens."""
+    target, draft = models
+    llm = _llm(target, draft, flag=True, enforce_eager=False)
+    try:
+        core = _drafter(llm).core
+        assert core.compile_chain and core.compiled is not None
+        used, run = [], core._run_compiled
+        core._run_compiled = lambda key, inputs: used.append(key) or run(key, inputs)
+        outs = _generate(llm)
+    finally:
+        _shutdown(llm)
+    for p, o in zip(PROMPTS, outs):
+        assert o == hf_greedy(target, p, 24, eos=1)
+    assert len(used) >= 24 // (K + 1) and core.compile_chain  # every decode step, no fallback to eager
 
 
 def test_uncovered_draft_architecture_falls_back_to_vllms_drafter(models, tmp_path, tokenizer, caplog):
