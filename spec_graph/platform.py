@@ -44,6 +44,15 @@ class Platform:
         if self._mod is not None:
             self._mod.synchronize()
 
+    def free_memory(self) -> int:
+        """Free bytes on this device (available host memory on CPU)."""
+        if self._mod is None:
+            import psutil
+
+            return int(psutil.virtual_memory().available)
+        free, _ = self._mod.mem_get_info(self.device)
+        return int(free)
+
     def max_programs(self) -> int:
         if self.name == "npu":
             try:

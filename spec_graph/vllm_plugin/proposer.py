@@ -51,12 +51,7 @@ MIN_SPAN = 32  # shortest cache span attended over (a power of two)
 
 def available_memory(device: torch.device) -> int:
     """Free bytes on `device` (host memory for cpu)."""
-    if device.type == "cpu":
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    free, _ = getattr(torch, device.type).mem_get_info(device)
-    return int(free)
+    return _platform.Platform(device.type).free_memory()
 
 
 def default_buckets(max_slots: int) -> tuple[int, ...]:
