@@ -43,6 +43,12 @@ def test_compiled_engine_equals_eager(llama_pair, eager_tokens, monkeypatch):
 
     from spec_graph.passes.manager import PassManager
 
+    import torch._functorch.config
+    import torch._inductor.config
+
+    # compile for real: a cache hit (an earlier run of the same graph) would skip the passes
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     runs = []
     orig = PassManager.__call__
     monkeypatch.setattr(PassManager, "__call__", lambda self, g: (orig(self, g), runs.append(self.last_counts))[0])
