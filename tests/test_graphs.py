@@ -41,21 +41,20 @@ def eager_tokens(llama_pair):
 def test_compiled_engine_equals_eager(llama_pair, eager_tokens, monkeypatch):
     from torch._dynamo.utils import counters
 
+    from torch._functorch import config as aot_config
+    from torch._inductor import config as inductor_config
+
     from spec_graph.passes.manager import PassManager
 
-    import torch._functorch.config
-    import torch._inductor.config
-
-    # compile for real: a cache hit (an earlier run of the same graph) would skip the passes
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     runs = []
     orig = PassManager.__call__
     monkeypatch.setattr(PassManager, "__call__", lambda self, g: (orig(self, g), runs.append(self.last_counts))[0])
     dec = engine(llama_pair, enable_graph=True, max_batch_size=4, batch_buckets=(1, 2, 4))
     assert dec.compiled and dec.graphs is None  # CPU: compiled, no capture
     before = counters["stats"]["unique_graphs"]
-    with torch.inference_mode():
+    # compile for real: a cache hit (an earlier run of the same graph) would skip the passes
+    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False), \
+            torch.inference_mode():
         for b in (4, 2, 1, 4, 2):
             dec._step_fn(True)(*dec._step_args(b))
     # buckets above 1 share one compile with a symbolic batch; size 1 gets its own
