@@ -49,6 +49,11 @@ _warned_fallback = False
 MIN_SPAN = 32  # shortest cache span attended over (a power of two)
 
 
+def draft_cache_len(max_model_len: int, num_speculative_tokens: int) -> int:
+    """Positions in the draft cache: a request's tokens plus the K + 2 a step writes past them."""
+    return int(max_model_len) + int(num_speculative_tokens) + 2
+
+
 def available_memory(device: torch.device) -> int:
     """Free bytes on `device` (host memory for cpu)."""
     return _platform.Platform(device.type).free_memory()
@@ -75,7 +80,7 @@ class DraftCore:
         self.model = model
         self.K = int(num_speculative_tokens)
         self.max_slots = int(max_slots)
-        self.cache_len = int(max_model_len) + self.K + 2
+        self.cache_len = draft_cache_len(max_model_len, self.K)
         self.k_cache, self.v_cache = model.new_kv_cache(self.max_slots + 1, self.cache_len)
         self.device = self.k_cache.device
         self.backup = torch.zeros(self.max_slots + 1, dtype=torch.int32, device=self.device)
@@ -375,7 +380,7 @@ class VllmAdapter:
             super()._raise_if_padded_drafter_batch_disabled()
             return super().load_model(target_model)
         K = self.num_speculative_tokens
-        slots, cache_len = self.max_slots + 1, self.max_model_len + K + 2
+        slots, cache_len = self.max_slots + 1, draft_cache_len(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = 2 * args.num_layers * slots * args.num_kv_heads * cache_len * args.head_dim * itemsize
         have = available_memory(torch.device(self.device))
