@@ -58,7 +58,9 @@ def main():
     dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bs.Bar(1, "compile+capture"))
 
     prompts = [torch.randint(0, 32000, (64,)).tolist() for _ in range(B)]
-    same = [r.token_ids for r in runner.generate(prompts, 48)] == [r.token_ids for r in dec.generate(prompts, 48)]
+    got, want = ([r.token_ids for r in d.generate(prompts, 48)] for d in (runner, dec))
+    same = got == want
+    agree = min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(got, want))
 
     ms_loaded = bs.bench_specgraph(runner, B, a.iters, 1)
     ms_inproc = bs.bench_specgraph(dec, B, a.iters, 1)
@@ -79,7 +81,10 @@ def main():
              f"| in-process spec-graph step (captured) | {ms_inproc:.3f} |",
              "",
              f"- exported / in-process: {ms_loaded / ms_inproc:.3f} (target: within 10%)",
-             f"- greedy tokens equal (48 tokens, {B} prompt(s)): {same}",
+             f"- greedy tokens equal (48 tokens, {B} prompt(s)): {same}" + ("" if same else (
+                 f" (they agree for the first {agree}: in bf16 the export's AOTInductor-compiled prefill and the "
+                 "engine's eager prefill round differently; exact equality on this pair is tested in fp32 by "
+                 "tests/test_gpu.py::test_export_bench_pair_loaded_and_captured)")),
              f"- export took {export_s:.0f} s; package {pkg.stat().st_size / 2**20:.1f} MiB for "
              f"{meta['weight_bytes'] / 2**20:.1f} MiB of bf16 weights ({size_ratio:.3f}x; target <= 1.1x)"]
     if host:

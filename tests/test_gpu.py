@@ -1,11 +1,14 @@
 """GPU runs (CUDA/NPU): eager engine == HF, captured bf16 == eager bf16, N-step == 1-step, fallback,
-and an export loaded and captured on the device == the in-process captured engine.
+and exports (the default pair, and bench_step.py's pair) loaded and captured on the device == the eager engine.
 
 The captured engine is shared: buckets above 1 share one compile, so the module compiles the step
 four times (greedy and sampling, each at size 1 and at a symbolic batch)."""
 import logging
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
@@ -95,3 +98,28 @@ def test_export_loaded_and_captured_equals_engine(tmp_path):
     eager = pair_engine(enable_graph=False, max_batch_size=4, dtype="float32")
     assert [r.token_ids for r in out] == [r.token_ids for r in eager.generate(PROMPTS, 48)]
     assert pkg.stat().st_size <= 1.1 * meta["weight_bytes"]
+
+
+def test_export_bench_pair_loaded_and_captured(tmp_path):
+    # benchmarks/bench_step.py's pair (~0.85B target, 74M draft), in fp32 for the same reason as above;
+    # benchmarks/bench_export.py times this export in bf16 against the in-process step
+    from spec_graph.export import export_pair, load_exported
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_step
+
+    (tdir, hf_t), (ddir, hf_d) = bench_step.make_pair(tmp_path)
+    del hf_t, hf_d
+    pkg = tmp_path / "bench_pair.pt2"
+    meta = export_pair(tdir, ddir, pkg, num_speculative_tokens=bench_step.K, batch_sizes=(1,), max_len=256,
+                       dtype="float32", progress=False)
+    assert pkg.stat().st_size <= 1.1 * meta["weight_bytes"]
+    runner = load_exported(pkg)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32000, (64,), generator=g).tolist() for _ in range(2)]
+    out = [r.token_ids for r in runner.generate(prompts, 48)]
+    assert set(runner.graphs.graphs) == {(True, 1)} and not runner.graphs.failed
+    del runner
+    eager = SpecDecoder.from_pretrained(tdir, ddir, SpecGraphConfig(num_speculative_tokens=bench_step.K, max_len=256,
+                                                                    dtype="float32", enable_graph=False))
+    assert out == [r.token_ids for r in eager.generate(prompts, 48)]
