@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+# Block length of the two-level cumsum below. Inductor lowers a cumsum over a long row with few rows
+# (a 32000-token vocab at small batch) to a split scan, whose Triton codegen fails on torch 2.11 CUDA;
+# rows of SCAN_BLOCK stay below its split threshold (8192), and the block totals stay short.
+SCAN_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,18 @@ def _rows(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(t.shape[0], *([1] * (ndim - 1)))
 
 
+def cumsum_last(x: torch.Tensor) -> torch.Tensor:
+    """``torch.cumsum(x, -1)`` as a scan within blocks of SCAN_BLOCK plus a scan over block totals."""
+    V = x.shape[-1]
+    if V <= SCAN_BLOCK:
+        return torch.cumsum(x, dim=-1)
+    nb = -(-V // SCAN_BLOCK)
+    blocks = F.pad(x, (0, nb * SCAN_BLOCK - V)).view(*x.shape[:-1], nb, SCAN_BLOCK)
+    inner = torch.cumsum(blocks, dim=-1)
+    offset = torch.cumsum(inner[..., -1], dim=-1) - inner[..., -1]  # mass of the blocks before each block
+    return (inner + offset.unsqueeze(-1)).view(*x.shape[:-1], nb * SCAN_BLOCK)[..., :V]
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
     """float32 probabilities from logits ``[B, ..., V]`` with per-row ``[B]`` temperature, top-k, top-p.
@@ -50,7 +68,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     rank = torch.arange(V, device=x.device)
     keep = rank < k
     p_sorted = torch.softmax(srt.masked_fill(~keep, float("-inf")), dim=-1)
-    before = torch.cumsum(p_sorted, dim=-1) - p_sorted  # mass strictly before each token
+    before = cumsum_last(p_sorted) - p_sorted  # mass strictly before each token
     keep = keep & ((before < _rows(top_p.float(), logits.dim())) | (rank == 0))
     keep_orig = torch.zeros_like(keep).scatter(-1, idx, keep)
     return torch.softmax(x.masked_fill(~keep_orig, float("-inf")), dim=-1)

@@ -9,7 +9,8 @@ from scipy.stats import chisquare
 import spec_graph.step as step_mod
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.kernels import PLACEHOLDER, race_sample
-from spec_graph.sampling import logits_to_probs
+from spec_graph import platform
+from spec_graph.sampling import SCAN_BLOCK, cumsum_last, logits_to_probs
 
 V = 8
 PROMPT = [1, 4, 2]
@@ -124,6 +125,33 @@ def test_logits_to_probs_matches_independent_filter():
     for b in range(6):
         ref = _filtered(logits[b], temps[b].item(), int(ks[b]), ps[b].item()).float()
         torch.testing.assert_close(got[b], ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("V", [7, SCAN_BLOCK, SCAN_BLOCK + 1, 32000])
+def test_blocked_cumsum_equals_cumsum(V):
+    x = torch.rand(2, 3, V, dtype=torch.float64)
+    torch.testing.assert_close(cumsum_last(x), torch.cumsum(x, -1))
+
+
+def _vocab_32000_inputs(B, device):
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(B, 5, 32000, generator=g) * 4).to(device)
+    return (logits, torch.full((B,), 0.8, device=device), torch.full((B,), 50, device=device, dtype=torch.long),
+            torch.full((B,), 0.9, device=device))
+
+
+def test_logits_to_probs_compiled_at_vocab_32000():
+    args = _vocab_32000_inputs(2, "cpu")
+    torch.testing.assert_close(torch.compile(logits_to_probs, fullgraph=True)(*args), logits_to_probs(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_logits_to_probs_compiled_on_device_at_vocab_32000(B):
+    # few rows over a long vocab: the case inductor would lower to a split scan
+    args = _vocab_32000_inputs(B, platform.current().device)
+    got = torch.compile(logits_to_probs, fullgraph=True, dynamic=False)(*args)
+    torch.testing.assert_close(got, logits_to_probs(*args))
 
 
 def test_same_seed_same_output_and_seeds_differ(far_pair):
