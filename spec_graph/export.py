@@ -9,7 +9,7 @@ The package is one zip file (conventionally ``.pt2``) holding:
 - ``weights.safetensors``: both models' weights, stored ONCE;
 - ``aoti/prefill.pt2`` and ``aoti/step_{greedy,sample}_b{B}.pt2``: AOTInductor
   packages (``torch._inductor.aoti_compile_and_package``, generated C++ sources
-  dropped: loading needs only the compiled library) with NO constants:
+  emptied: loading needs only the compiled library) with NO constants:
   the weights are inputs of every exported function (``torch.func.functional_call``
   over a flat tuple), so every bucket and the prefill share the one weights file;
 - ``tokenizer.json`` when the target has one.
@@ -106,12 +106,13 @@ def _model_record(ckpt_dir, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def _strip_sources(package: Path) -> None:
-    """Drop the generated C++ sources from an AOTInductor package: loading needs only the compiled library."""
+    """Empty the generated C++ sources of an AOTInductor package: loading needs only the compiled library.
+
+    The entries stay, empty: older loaders (torch 2.11) find the model's metadata by the source's name."""
     kept = package.with_suffix(".stripped")
     with zipfile.ZipFile(package) as zin, zipfile.ZipFile(kept, "w") as zout:
         for item in zin.infolist():
-            if not item.filename.endswith(".cpp"):
-                zout.writestr(item, zin.read(item.filename))
+            zout.writestr(item, b"" if item.filename.endswith(".cpp") else zin.read(item.filename))
     os.replace(kept, package)
 
 
