@@ -3,8 +3,8 @@
 
 Matches ``kernels.prepare_next.prepare_next_ref`` (its leading-valid count is the
 cumprod formulation) and the same computation with the count written as in
-``fuse_greedy_accept.COUNT_FORMULATIONS`` (stop mask ``sampled == PLACEHOLDER``).
-The matching, the mutation handling and the checks are ``FusionPass``'s.
+``fusion.COUNT_FORMULATIONS`` (stop mask ``sampled == PLACEHOLDER``).
+The matching, the mutation handling and the checks are ``fusion.FusionPass``'s.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 # submodules by path: the kernels package re-exports a function named prepare_next
 _ga = importlib.import_module("spec_graph.kernels.greedy_accept")
 _pn = importlib.import_module("spec_graph.kernels.prepare_next")
-from .fuse_greedy_accept import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs
+from .fusion import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs  # noqa: E402
 
 PLACEHOLDER = _ga.PLACEHOLDER
 PREPARE_INPUTS = ("sampled", "active", "tail", "seq_lens", "n_out", "max_new", "stop_ids", "out_buf")
