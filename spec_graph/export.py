@@ -22,11 +22,11 @@ logits).
 - weights: the tensors of ``weights.safetensors`` in ``metadata["weights"]``
   order (target's, then draft's), on the export's device;
 - KV caches ``draft_k, draft_v, target_k, target_v``: zeros of the shapes and
-  dtypes in ``metadata["kv_cache"]`` (``[layers, rows, kv_heads, max_len+K+2,
+  dtypes in ``metadata["kv_cache"]`` (``[layers, rows, kv_heads, cache_len,
   head_dim]``, rows = the largest batch size); a slot is zeroed before its prefill;
 - prefill ``(*weights, toks [n,T], pos [n,T], slots [n], lens [n], *kv) ->
   float32 logits [n, V]`` at each prompt's last token; n in 1..rows and T in
-  1..max_len+K+2 are dynamic (one artifact: a compile per power-of-two length
+  1..cache_len are dynamic (one artifact: a compile per power-of-two length
   would multiply compile time, and the dynamic-shape export compiles reliably);
 - step for batch size B ``(*weights, *state, out_buf, acc_log, stop_ids, *kv)``:
   ``state`` is ``step.STATE_FIELDS`` in order, each the first B rows of a
@@ -75,6 +75,8 @@ def _inductor_configs() -> dict:
             continue
         known[key] = value
     return known
+
+
 _KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")
 
 

@@ -7,9 +7,8 @@ from helpers import make_checkpoint
 from scipy.stats import chisquare
 
 import spec_graph.step as step_mod
-from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph import SpecDecoder, SpecGraphConfig, platform
 from spec_graph.kernels import PLACEHOLDER, race_sample
-from spec_graph import platform
 from spec_graph.sampling import SCAN_BLOCK, cumsum_last, logits_to_probs
 
 V = 8

@@ -17,8 +17,9 @@ from typing import Callable
 
 import torch
 
+from .fusion import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs
+
 _ga = importlib.import_module("spec_graph.kernels.greedy_accept")
-from .fusion import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs  # noqa: E402
 
 PLACEHOLDER = _ga.PLACEHOLDER
 

@@ -151,8 +151,7 @@ class AscendRunnerAdapter:
                                                         valid_sampled_tokens_count)
         meta, _, _ = super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                                    valid_sampled_tokens_count)
-        total = int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs])
-        return meta, self.arange[:total], None, None
+        return meta, self.arange[:meta.num_actual_tokens], None, None
 
     def _propose(self, **kwargs):
         """vllm-ascend's runner calls ``_propose`` with keywords only (some of them its own)."""

@@ -1,8 +1,8 @@
 """spec-graph's drafter for vLLM: ``DraftCore`` (no vLLM import) and ``SpecGraphProposer``, its thin adapter.
 
 ``DraftCore`` drafts with ``spec_graph.models`` and its own static KV cache
-``[layers, max_num_seqs + 1, kv_heads, max_model_len + K + 2, head_dim]`` (the
-last slot is scratch for padding rows); it takes plain tensors, arrays and
+``[layers, max_num_seqs + 1, kv_heads, cache_length(max_model_len, K), head_dim]``
+(``config.cache_length``, as the engine's; the last slot is scratch for padding rows); it takes plain tensors, arrays and
 request ids, so it runs (and replays recorded steps) without vLLM. Requests
 map to cache slots by request id, so rows that vLLM reorders or removes
 between steps never mix caches. A device table holds each slot's last known
@@ -39,6 +39,7 @@ import torch
 
 from .. import platform as _platform
 from ..capture import GraphSet
+from ..config import cache_length
 from ..models import load_model, read_config
 from .config import parse
 from .kernels import count_valid
@@ -47,11 +48,6 @@ log = logging.getLogger("spec_graph")
 
 _warned_fallback = False
 MIN_SPAN = 32  # shortest cache span attended over (a power of two)
-
-
-def draft_cache_len(max_model_len: int, num_speculative_tokens: int) -> int:
-    """Positions in the draft cache: a request's tokens plus the K + 2 a step writes past them."""
-    return int(max_model_len) + int(num_speculative_tokens) + 2
 
 
 def available_memory(device: torch.device) -> int:
@@ -80,7 +76,7 @@ class DraftCore:
         self.model = model
         self.K = int(num_speculative_tokens)
         self.max_slots = int(max_slots)
-        self.cache_len = draft_cache_len(max_model_len, self.K)
+        self.cache_len = cache_length(int(max_model_len), self.K)
         self.k_cache, self.v_cache = model.new_kv_cache(self.max_slots + 1, self.cache_len)
         self.device = self.k_cache.device
         self.backup = torch.zeros(self.max_slots + 1, dtype=torch.int32, device=self.device)
@@ -380,7 +376,7 @@ class VllmAdapter:
             super()._raise_if_padded_drafter_batch_disabled()
             return super().load_model(target_model)
         K = self.num_speculative_tokens
-        slots, cache_len = self.max_slots + 1, draft_cache_len(self.max_model_len, K)
+        slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = 2 * args.num_layers * slots * args.num_kv_heads * cache_len * args.head_dim * itemsize
         have = available_memory(torch.device(self.device))
