@@ -93,7 +93,10 @@ def main():
         host = [bs.host_cpu_per_token(dec, B, n, bs.Bar(1, f"capture N={n}")) for n in (1, 8)]
 
     bs.progress("load + capture the export (child process)")
-    loaded = loaded_in_child(pkg, B, a.iters, prompts)
+    try:
+        loaded = loaded_in_child(pkg, B, a.iters, prompts)
+    except KeyboardInterrupt:  # a time limit: keep the figures measured so far
+        loaded = {"error": "interrupted before the loaded export finished"}
 
     cmd = "python benchmarks/bench_export.py " + " ".join(sys.argv[1:])
     lines = [f"## bench_export — {datetime.date.today().isoformat()}", "",

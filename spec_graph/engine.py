@@ -41,6 +41,8 @@ def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
 
 
 class SpecDecoder(DecoderBase):
+    capture_prefill = True  # the eager prefill launches every layer's kernels from Python
+
     def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=(), plat=None):
         self.target, self.draft = target, draft
         vocab = target.args.vocab_size

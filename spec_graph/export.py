@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -116,6 +117,71 @@ def _strip_sources(package: Path) -> None:
         for item in zin.infolist():
             zout.writestr(item, b"" if item.filename.endswith(".cpp") else zin.read(item.filename))
     os.replace(kept, package)
+
+
+def _elf_needed(data: bytes) -> list[str] | None:
+    """The DT_NEEDED libraries of a 64-bit little-endian ELF shared object; None for anything else."""
+    if data[:6] != b"\x7fELF\x02\x01":
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQII", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _, sh_type, _, _, off, size, link, _ in sections:
+        if sh_type != 6:  # SHT_DYNAMIC
+            continue
+        stroff = sections[link][4]
+        for at in range(off, off + size, 16):
+            tag, val = struct.unpack_from("<qQ", data, at)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                needed.append(data[stroff + val: data.index(b"\0", stroff + val)].decode())
+    return needed
+
+
+def _process_links_libstdcxx() -> bool:
+    try:
+        return "libstdc++.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _static_cxx_runtime(package: Path) -> str | None:
+    """The AOTInductor library in ``package`` that carries its own copy of libstdc++, if any.
+
+    torch runs on the shared libstdc++; a library built with a statically linked
+    one (some toolchains' g++ default to it) resolves part of its C++ runtime to
+    the process's copy and crashes on load, in std::regex in the model's
+    constructor, with no Python error. So export and load check it first."""
+    if not _process_links_libstdcxx():
+        return None
+    try:
+        with zipfile.ZipFile(package) as z:
+            for name in z.namelist():
+                needed = _elf_needed(z.read(name)) if name.endswith(".so") else None
+                if needed is not None and not any(n.startswith(("libstdc++.so", "libc++.so")) for n in needed):
+                    return Path(name).name
+    except (zipfile.BadZipFile, ValueError, IndexError, struct.error):
+        return None  # damaged: the loader reports it
+    return None
+
+
+def _check_cxx_runtime(package: Path) -> None:
+    lib = _static_cxx_runtime(package)
+    if lib is None:
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - only for the message
+        cxx = os.environ.get("CXX", "g++")
+    raise ExportError(
+        f"the C++ compiler {cxx!r} linked libstdc++ statically into the AOTInductor library {lib}; torch uses "
+        "the shared libstdc++, and such a library crashes the process when it is loaded. Set CXX to a g++ that "
+        "links libstdc++ dynamically (usually the system one: CXX=/usr/bin/g++) and export again"
+    )
 
 
 class _Fn(torch.nn.Module):
@@ -234,6 +300,7 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
             path = Path(tmp) / f"{name}.pt2"
             with stage(f"compile {kind}"):
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=_inductor_configs())
+                _check_cxx_runtime(path)
                 _strip_sources(path)
             artifacts[name] = {"file": f"aoti/{name}.pt2", "fused_ops": fused}
 
@@ -411,6 +478,11 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         for name, a in meta["artifacts"].items():
             dst = Path(workdir.name) / f"{name}.pt2"
             dst.write_bytes(z.read(a["file"]))
+            lib = _static_cxx_runtime(dst)
+            if lib is not None:
+                raise ExportError(f"{path}: artifact {a['file']} was built with libstdc++ linked statically into "
+                                  f"{lib}, and loading it would crash this process; export it again with "
+                                  "CXX set to a g++ that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++)")
             try:
                 models[name] = torch._inductor.aoti_load_package(str(dst), run_single_threaded=use_graphs)
             except Exception as e:  # noqa: BLE001 - a broken artifact, whatever the loader raises

@@ -28,6 +28,9 @@ from .step import STATE_FIELDS
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
 MAX_STOP_IDS = 64
+# Prefills of at most this many positions (rows x padded length) replay a graph: short ones are bound by
+# kernel launches on the host, long ones by the device.
+PREFILL_GRAPH_TOKENS = 512
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -92,7 +95,10 @@ class DecoderBase:
     prompt's last token (writing both models' caches for those slots) and
     ``_step_fn(greedy)`` returning ``fn(state, out_buf, acc_log, stop_ids, draft_kv, target_kv)``
     that runs one step over ``B = state["tail"].shape[0]`` rows, updating every argument in place.
+    Where ``capture_prefill`` is set and graphs exist, short prefills replay a graph per (rows, length).
     """
+
+    capture_prefill = False
 
     def __init__(self, config: SpecGraphConfig, vocab_size: int, device: torch.device, plat, tokenizer=None,
                  eos_token_ids=(), use_graphs: bool = False, rows: int | None = None):
@@ -121,8 +127,14 @@ class DecoderBase:
         self.acc_log = torch.zeros(R, config.max_len, **i64)
         self.stop_buf = torch.full((MAX_STOP_IDS,), PLACEHOLDER, **i64)
         self.graphs = GraphSet(self.platform) if use_graphs else None
+        self._new_prefill_graphs()
         self._captured_modes: set = set()
         self._fallback_warned = False
+
+    def _new_prefill_graphs(self) -> None:
+        # A pool of their own: a prefill graph's logits stay live in it while step graphs replay.
+        self.prefill_graphs = GraphSet(self.platform) if self.graphs is not None and self.capture_prefill else None
+        self._prefill_inputs: dict = {}
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         raise NotImplementedError
@@ -183,7 +195,7 @@ class DecoderBase:
         slot_t = torch.tensor(slots, device=dev)
         pos = torch.arange(T, device=dev).expand(n, T)
         self._zero_slots(slot_t)
-        logits = self._prefill_forward(toks, pos, slot_t, lens)
+        logits = self._prefill_logits(toks, pos, slot_t, lens)
         st = self.state
         st["temperature"][slot_t] = max(params.temperature, 1e-5)
         st["top_k"][slot_t] = params.top_k
@@ -208,6 +220,31 @@ class DecoderBase:
         self.out_buf[slot_t] = PLACEHOLDER
         self.out_buf[slot_t, 0] = first
         self.acc_log[slot_t] = 0
+
+    def _prefill_logits(self, toks, pos, slots, lens) -> torch.Tensor:
+        """The prefill forward, replayed from a graph per (rows, length) where that pays.
+
+        Capturing runs the forward for real (warm-up) with the request's own inputs: it rewrites the same
+        slots' caches with the same values, so it is harmless. The logits are the graph's static output,
+        valid until the next prefill."""
+        n, T = toks.shape
+        graphs = self.prefill_graphs
+        if graphs is None or n * T > PREFILL_GRAPH_TOKENS:
+            return self._prefill_forward(toks, pos, slots, lens)
+        key = (n, T)
+        static = self._prefill_inputs.get(key)
+        if static is None:
+            if key in graphs.failed:
+                return self._prefill_forward(toks, pos, slots, lens)
+            static = tuple(t.clone() for t in (toks, pos, slots, lens))
+            with torch.inference_mode():
+                if not graphs.capture(key, lambda: self._prefill_forward(*static)):
+                    return self._prefill_forward(toks, pos, slots, lens)
+            self._prefill_inputs[key] = static
+        else:
+            for dst, src in zip(static, (toks, pos, slots, lens)):
+                dst.copy_(src)
+        return graphs.replay(key)
 
     # ------------------------------------------------------------------ step
     def _step_args(self, B: int) -> tuple:
@@ -236,6 +273,7 @@ class DecoderBase:
             self.config.steps_per_graph = steps_per_graph
         if self.graphs is not None:
             self.graphs = GraphSet(self.platform)
+        self._new_prefill_graphs()
         self._captured_modes.clear()
         self._fallback_warned = False
 

@@ -270,3 +270,44 @@ def test_inductor_options_unknown_to_this_torch_are_left_out(monkeypatch):
     monkeypatch.setattr(export, "_WANTED_INDUCTOR_CONFIGS",
                         {"aot_inductor.no_such_option": True, "aot_inductor.debug_compile": False})
     assert export._inductor_configs() == {"aot_inductor.debug_compile": False}
+
+
+def _package_holding(tmp_path, library) -> Path:
+    pkg = tmp_path / f"{Path(library).stem}.pt2"
+    with zipfile.ZipFile(pkg, "w") as z:
+        z.write(library, "lib/data/aotinductor/model/model.wrapper.so")
+    return pkg
+
+
+def test_elf_needed_reads_the_libraries_a_shared_object_links():
+    from spec_graph.export import _elf_needed
+
+    assert "libstdc++.so.6" in _elf_needed((Path(torch.__file__).parent / "lib" / "libc10.so").read_bytes())
+    assert _elf_needed(b"#!/bin/sh\n") is None
+
+
+def test_export_and_load_refuse_a_library_with_its_own_libstdcxx(tmp_path, exported, monkeypatch):
+    """A C++ runtime linked statically into the AOTInductor library crashes the loading process (std::regex in
+    the model constructor): export stops with the fix, and load refuses such an artifact instead of crashing."""
+    import _ctypes  # a shared object of the interpreter that links no C++ runtime
+
+    from spec_graph import export
+
+    static = _package_holding(tmp_path, _ctypes.__file__)
+    with pytest.raises(ExportError, match=r"linked libstdc\+\+ statically .*CXX=/usr/bin/g\+\+"):
+        export._check_cxx_runtime(static)
+    export._check_cxx_runtime(_package_holding(tmp_path, Path(torch.__file__).parent / "lib" / "libc10.so"))
+
+    # every artifact of the real export links the shared runtime; a doctored one is refused at load
+    pkg = tmp_path / "doctored.pt2"
+    with zipfile.ZipFile(exported[0]) as zin, zipfile.ZipFile(pkg, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.startswith("aoti/"):
+                (tmp_path / "artifact.pt2").write_bytes(data)
+                assert export._static_cxx_runtime(tmp_path / "artifact.pt2") is None, item.filename
+            if item.filename == "aoti/prefill.pt2":
+                data = static.read_bytes()
+            zout.writestr(item, data)
+    with pytest.raises(ExportError, match=r"aoti/prefill.pt2 was built with libstdc\+\+ linked statically"):
+        load_exported(pkg)

@@ -107,3 +107,35 @@ def test_export_bench_pair_loaded_and_captured(tmp_path):
     eager = SpecDecoder.from_pretrained(tdir, ddir, SpecGraphConfig(num_speculative_tokens=bench_step.K, max_len=256,
                                                                     dtype="float32", enable_graph=False))
     assert out == [r.token_ids for r in eager.generate(prompts, 48)]
+
+
+def test_captured_prefill_equals_eager_prefill():
+    """A short prefill replays a graph per (rows, length), with each call's own inputs: the same logits and
+    caches as the eager forward (the same kernels, recorded)."""
+    dec = pair_engine(max_batch_size=2)  # graphs on; the prefill needs no step compile
+    assert dec.prefill_graphs is not None
+    g = torch.Generator().manual_seed(0)
+    n, T = 2, 16
+    pos = torch.arange(T, device=dec.device).expand(n, T)
+    slots, lens = torch.tensor([1, 0], device=dec.device), torch.tensor([T, 9], device=dec.device)
+    for _ in range(2):  # capture, then a replay with new inputs copied into the static ones
+        toks = torch.randint(0, dec.vocab_size, (n, T), generator=g).to(dec.device)
+        dec._zero_slots(slots)
+        got = dec._prefill_logits(toks, pos, slots, lens).clone()
+        caches = [c.clone() for c in (*dec.target_kv, *dec.draft_kv)]
+        dec._zero_slots(slots)
+        want = dec._prefill_forward(toks, pos, slots, lens)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(caches, (*dec.target_kv, *dec.draft_kv)))
+    assert set(dec.prefill_graphs.graphs) == {(n, T)} and not dec.prefill_graphs.failed
+
+
+def test_recorded_eager_step_and_prefills_equal_eager(eager_bf16):
+    """The engine with graphs and the eager step recorded (no compile): short prefills and every step replay
+    graphs, and the tokens equal the eager engine's."""
+    dec = pair_engine(max_batch_size=4, batch_buckets=(4,))
+    dec.compiled = False
+    out = dec.generate(PROMPTS, 48)
+    assert [r.token_ids for r in out] == eager_bf16
+    assert set(dec.graphs.graphs) == {(True, 4)} and not dec.graphs.failed
+    assert dec.prefill_graphs.graphs and not dec.prefill_graphs.failed

@@ -33,6 +33,12 @@ def engine(pair, plat=None, compile_step=True, **cfg):
     return dec
 
 
+def step_events(plat, dec, out) -> tuple[int, int]:
+    """(step graphs recorded, step replays): every prefill here is short, so each one replays a graph too."""
+    prefill_graphs = len(dec.prefill_graphs.graphs)
+    return plat.events.count("record") - prefill_graphs, plat.events.count("replay") - out.stats.prefills
+
+
 @pytest.fixture(scope="module")
 def eager_tokens(llama_pair):
     return [r.token_ids for r in engine(llama_pair, max_batch_size=4).generate(PROMPTS, 20)]
@@ -68,7 +74,8 @@ def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
     dec = engine(llama_pair, plat=plat, enable_graph=True, max_batch_size=4, batch_buckets=(4,), steps_per_graph=2)
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
-    assert plat.events.count("record") == 1 and out.stats.steps == 2 * plat.events.count("replay")
+    records, step_replays = step_events(plat, dec, out)
+    assert records == 1 and out.stats.steps == 2 * step_replays
 
 
 def test_captured_through_platform_seam(llama_pair, eager_tokens):
@@ -77,8 +84,9 @@ def test_captured_through_platform_seam(llama_pair, eager_tokens):
                  batch_buckets=(1, 2, 4))
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
-    assert plat.events.count("record") == 3  # one graph per bucket
-    assert plat.events.count("replay") == out.stats.steps  # every step ran as a replay
+    records, step_replays = step_events(plat, dec, out)
+    assert records == 3  # one graph per bucket
+    assert step_replays == out.stats.steps  # every step ran as a replay
     assert set(dec.graphs.graphs) == {(True, 1), (True, 2), (True, 4)}
 
 
@@ -90,7 +98,7 @@ def test_multi_step_equals_single_step(llama_pair, eager_tokens, n):
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
     # the host reads once per replay, and a replay runs n steps
-    assert out.stats.steps == n * plat.events.count("replay")
+    assert out.stats.steps == n * step_events(plat, dec, out)[1]
 
 
 def test_multi_step_sampling_equals_single_step(llama_pair):
@@ -188,9 +196,41 @@ def test_reset_graphs_recaptures_with_new_n(llama_pair, eager_tokens):
     dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
                  batch_buckets=(4,))
     assert [r.token_ids for r in dec.generate(PROMPTS, 20)] == eager_tokens
+    first_prefill_graphs = len(dec.prefill_graphs.graphs)
     dec.reset_graphs(steps_per_graph=5)
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
-    assert plat.events.count("record") == 2 and dec.config.steps_per_graph == 5
+    assert plat.events.count("record") == 2 + first_prefill_graphs + len(dec.prefill_graphs.graphs)
+    assert dec.config.steps_per_graph == 5
     with pytest.raises(ValueError, match="steps_per_graph"):
         dec.reset_graphs(steps_per_graph=0)
+
+
+def test_short_prefills_replay_a_graph_per_rows_and_length(llama_pair, eager_tokens):
+    """Prefills replay graphs keyed by (rows, padded length), captured once each; tokens equal the eager engine's."""
+    plat = fake_platform()
+    dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=2,
+                 batch_buckets=(1, 2))
+    calls = []
+    forward = dec._prefill_forward
+    dec._prefill_forward = lambda *a: (calls.append(tuple(a[0].shape)), forward(*a))[1]
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    keys = set(dec.prefill_graphs.graphs)
+    assert keys == {(n, T) for n, T in calls} and out.stats.prefills > len(keys)
+    # each key ran twice for warm-up, then once per prefill as a replay of the recorded callable
+    assert len(calls) == 2 * len(keys) + out.stats.prefills
+    assert dec.prefill_graphs.pool == "pool" and dec.prefill_graphs is not dec.graphs
+
+
+def test_long_prefills_and_uncaptured_engines_run_the_forward(llama_pair, monkeypatch):
+    from spec_graph import runtime
+
+    monkeypatch.setattr(runtime, "PREFILL_GRAPH_TOKENS", 4)  # every prompt here is longer
+    dec = engine(llama_pair, plat=fake_platform(), compile_step=False, enable_graph=True, max_batch_size=2,
+                 batch_buckets=(2,))
+    ref = engine(llama_pair, max_batch_size=2)
+    assert ref.prefill_graphs is None  # CPU: no graphs
+    outs = [e.generate(PROMPTS[:3], 12) for e in (dec, ref)]
+    assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]]
+    assert not dec.prefill_graphs.graphs
