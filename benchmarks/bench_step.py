@@ -338,9 +338,9 @@ def host_lines(B: int, host1, host8) -> list[str]:
     if host1 is None or host8 is None:
         return []
     return [f"- host CPU time per generated token outside replay (median of {HOST_REPEATS} generations), B={B}: "
-            f"N=1 {host1[0]:.4f} ms, N=8 {host8[0]:.4f} ms "
-            f"(ratio {host8[0] / host1[0]:.2f}); the decode loop alone (prefill host work excluded too): N=1 {host1[1]:.4f} ms, "
-            f"N=8 {host8[1]:.4f} ms (ratio {host8[1] / host1[1]:.2f})"]
+            f"N=1 {host1[0]:.4f} ms, N=8 {host8[0]:.4f} ms (ratio {host8[0] / host1[0]:.2f}); the decode loop "
+            f"alone (prefill host work excluded too): N=1 {host1[1]:.4f} ms, N=8 {host8[1]:.4f} ms "
+            f"(ratio {host8[1] / host1[1]:.2f})"]
 
 
 def default_pair_real(iters_prompts: int = 8):

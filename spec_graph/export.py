@@ -39,6 +39,7 @@ logits).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
@@ -147,8 +148,8 @@ def _process_links_libstdcxx() -> bool:
         return False
 
 
-def _static_cxx_runtime(package: Path) -> str | None:
-    """The AOTInductor library in ``package`` that carries its own copy of libstdc++, if any.
+def _static_cxx_runtime(package) -> str | None:
+    """The AOTInductor library in ``package`` (a path or the bytes of one) with its own libstdc++, if any.
 
     torch runs on the shared libstdc++; a library built with a statically linked
     one (some toolchains' g++ default to it) resolves part of its C++ runtime to
@@ -157,7 +158,7 @@ def _static_cxx_runtime(package: Path) -> str | None:
     if not _process_links_libstdcxx():
         return None
     try:
-        with zipfile.ZipFile(package) as z:
+        with zipfile.ZipFile(io.BytesIO(package) if isinstance(package, bytes) else package) as z:
             for name in z.namelist():
                 needed = _elf_needed(z.read(name)) if name.endswith(".so") else None
                 if needed is not None and not any(n.startswith(("libstdc++.so", "libc++.so")) for n in needed):
@@ -477,8 +478,9 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         models = {}
         for name, a in meta["artifacts"].items():
             dst = Path(workdir.name) / f"{name}.pt2"
-            dst.write_bytes(z.read(a["file"]))
-            lib = _static_cxx_runtime(dst)
+            data = z.read(a["file"])
+            dst.write_bytes(data)
+            lib = _static_cxx_runtime(data)
             if lib is not None:
                 raise ExportError(f"{path}: artifact {a['file']} was built with libstdc++ linked statically into "
                                   f"{lib}, and loading it would crash this process; export it again with "

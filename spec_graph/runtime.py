@@ -228,14 +228,11 @@ class DecoderBase:
         slots' caches with the same values, so it is harmless. The logits are the graph's static output,
         valid until the next prefill."""
         n, T = toks.shape
-        graphs = self.prefill_graphs
-        if graphs is None or n * T > PREFILL_GRAPH_TOKENS:
+        graphs, key = self.prefill_graphs, (n, T)
+        if graphs is None or n * T > PREFILL_GRAPH_TOKENS or key in graphs.failed:
             return self._prefill_forward(toks, pos, slots, lens)
-        key = (n, T)
         static = self._prefill_inputs.get(key)
         if static is None:
-            if key in graphs.failed:
-                return self._prefill_forward(toks, pos, slots, lens)
             static = tuple(t.clone() for t in (toks, pos, slots, lens))
             with torch.inference_mode():
                 if not graphs.capture(key, lambda: self._prefill_forward(*static)):
