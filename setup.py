@@ -19,6 +19,7 @@ setup(
     include_package_data=True,
     install_requires=[
         "torch>=2.11,<2.15",
+        "numpy",  # without it torch warns "Failed to initialize NumPy" at import
         "safetensors",
         "tokenizers",
     ],

@@ -14,7 +14,14 @@ heads, inter 2048, ~74M). Variants, in ms per speculative iteration:
   (e) a captured target-only single-token decode step
   and the bytes floor: weights + KV read per step over the measured copy bandwidth.
 
-Timings are CUDA-event medians after warm-up. Writes a table to --out.
+Timings are CUDA-event medians after warm-up. Each run also counts the kernels of one (c) and one (e)
+replay (torch.profiler) and the share of the measured copy bandwidth that (c) and (e) reach (bytes floor
+over time). ``--max-len`` / ``--context`` move the static cache length and the live context.
+
+    python benchmarks/bench_step.py --table [--batch-sizes 1,8] [--table-max-lens 640,8192,32768]
+
+times (c) alone at contexts 512 / 4k / 16k / 32k for each max_len where they fit, each with its floor
+(weights plus the live KV only): the step's cost should follow the context, not max_len.
 """
 from __future__ import annotations
 
@@ -114,6 +121,24 @@ def _median_ms(fn, iters: int, warmup: int, setup) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
+
+
+def device_events(fn, replays: int) -> list:
+    """torch.profiler's device (kernel and copy) events of ``replays`` calls of ``fn``, after one warm call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_count(fn, replays: int = 10) -> float:
+    """Kernels launched per call of ``fn`` (a graph replay)."""
+    return len(device_events(fn, replays)) / replays
 
 
 def copy_bandwidth() -> float:
@@ -220,13 +245,24 @@ def bench_gptfast(target, draft, B: int, iters: int, bar: Bar) -> float:
 
 
 # ----------------------------------------------------------------- (c)(d) spec-graph
-def prime(dec: SpecDecoder, B: int) -> dict:
-    """Fill rows [0, B) with 512-token contexts; return a snapshot to restore before each timing."""
+PRIME_PREFILL = 1024  # longer contexts are primed without a prefill: the step's cost does not depend on the KV values
+
+
+def prime(dec: SpecDecoder, B: int, context: int | None = None) -> dict:
+    """Fill rows [0, B) with `context`-token contexts; return a snapshot to restore before each timing.
+
+    Up to PRIME_PREFILL tokens the context is prefilled; a longer one is a short prefill whose committed
+    length is then set to `context` (the cache below it holds whatever is there, which costs the same)."""
+    context = context or CONTEXT
+    max_len = dec.config.max_len
     dec.stop_buf.fill_(PLACEHOLDER)
-    prompts = [torch.randint(0, 32000, (CONTEXT - 1,)).tolist() for _ in range(B)]
+    n = context - 1 if context <= PRIME_PREFILL else 15
+    prompts = [torch.randint(0, 32000, (n,)).tolist() for _ in range(B)]
     from spec_graph.sampling import SamplingParams
 
-    dec._prefill(list(range(B)), prompts, [MAX_LEN - CONTEXT] * B, list(range(B)), SamplingParams(), dec.stop_buf)
+    dec._prefill(list(range(B)), prompts, [max_len - context] * B, list(range(B)), SamplingParams(), dec.stop_buf)
+    if context > PRIME_PREFILL:
+        dec.state["seq_lens"][:B] = context
     return {k: v.clone() for k, v in dec.state.items()}
 
 
@@ -235,16 +271,21 @@ def restore(dec: SpecDecoder, snap: dict) -> None:
         dec.state[k].copy_(v)
 
 
-def bench_specgraph(dec: SpecDecoder, B: int, iters: int, per: int) -> float:
-    snap = prime(dec, B)
+def bench_specgraph(dec: SpecDecoder, B: int, iters: int, per: int, kernels: dict | None = None,
+                    context: int | None = None) -> float:
+    snap = prime(dec, B, context)
     ms = median_ms(lambda: dec._run_steps(B, True), iters, setup=lambda: restore(dec, snap))
+    if kernels is not None:
+        restore(dec, snap)
+        kernels[B] = kernel_count(lambda: dec._run_steps(B, True), replays=1) / per
     restore(dec, snap)
     dec.state["active"].zero_()  # leave every row inactive for later captures
     return ms / per
 
 
-def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, bar: Bar) -> SpecDecoder:
-    cfg = SpecGraphConfig(num_speculative_tokens=K, max_batch_size=max(batch_sizes), max_len=MAX_LEN,
+def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, bar: Bar,
+                  max_len: int | None = None) -> SpecDecoder:
+    cfg = SpecGraphConfig(num_speculative_tokens=K, max_batch_size=max(batch_sizes), max_len=max_len or MAX_LEN,
                           dtype="bfloat16", batch_buckets=tuple(batch_sizes), steps_per_graph=steps_per_graph,
                           passes=passes)
     dec = SpecDecoder.from_pretrained(tdir, ddir, cfg)
@@ -277,7 +318,7 @@ def bench_target_decode(target, B: int, iters: int, graphs: GraphSet) -> float:
     f = torch.compile(lambda: target(tok, pos, *kv), fullgraph=True, dynamic=False)
     with torch.no_grad():
         assert graphs.capture(("decode", B), f)
-        return median_ms(lambda: graphs.replay(("decode", B)), iters)
+        return median_ms(lambda: graphs.replay(("decode", B)), iters), kernel_count(lambda: graphs.replay(("decode", B)))
 
 
 def host_cpu_per_token(dec: SpecDecoder, B: int, steps_per_graph: int, bar: Bar) -> tuple[float, float]:
@@ -360,16 +401,47 @@ def default_pair_real(iters_prompts: int = 8):
     return s.acceptance_rate, s.wall_time_s / s.generated_tokens * 1e3, s.tokens_per_step
 
 
+TABLE_CONTEXTS = (512, 4096, 16384, 32000)
+
+
+def context_table(tdir, ddir, Bs, max_lens, iters: int, bw: float) -> list[str]:
+    """(c) per (max_len, context) at each batch size, with its floor (weights + live KV)."""
+    rows = []
+    for max_len in max_lens:
+        progress(f"table: max_len {max_len}: compile + capture")
+        dec = build_decoder(tdir, ddir, Bs, {}, 1, Bar(len(Bs), "compile+capture"), max_len=max_len)
+        for ctx in (c for c in TABLE_CONTEXTS if c + 2 * K + 2 <= max_len):
+            for b in Bs:
+                ms = bench_specgraph(dec, b, iters, 1, context=ctx)
+                floor = step_bytes(dec.target, dec.draft, b, ctx) / bw * 1e3
+                rows.append((b, max_len, ctx, ms, floor))
+                progress(f"  B={b} max_len={max_len} context={ctx}: {ms:.3f} ms (floor {floor:.3f})")
+        del dec
+        torch.cuda.empty_cache()
+    L = ["| B | max_len | context | (c) ms | floor ms | (c)/floor |", "|---|---|---|---|---|---|"]
+    L += [f"| {b} | {m} | {c} | {ms:.3f} | {fl:.3f} | {ms / fl:.2f}x |" for b, m, c, ms, fl in sorted(rows)]
+    return L
+
+
 def main():
+    global MAX_LEN, CACHE_LEN, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--plot", action="store_true", help="also write a PNG of ms/step per batch size")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
-    ap.add_argument("--skip", default="", help="comma-separated variants to skip: a,b,e,off,host,real")
+    ap.add_argument("--skip", default="", help="comma-separated variants to skip: a,b,d,e,off,host,real")
+    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="static cache length of (b), (c), (d), (e)")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="live context of every variant")
+    ap.add_argument("--table", action="store_true", help="only the (c) table over contexts and max_len")
+    ap.add_argument("--table-max-lens", default="640,8192,32768")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_step.py needs a CUDA GPU")
+    MAX_LEN, CONTEXT = a.max_len, a.context
+    CACHE_LEN = cache_length(MAX_LEN, K)
+    if a.table:
+        return main_table(a)
     skip = set(a.skip.split(",")) - {""}
     Bs = [int(b) for b in a.batch_sizes.split(",")]
     t_start = time.time()
@@ -406,10 +478,13 @@ def main():
     progress("(c) spec-graph: compile + capture per bucket (passes on)")
     dec = attempt("c", errors, build_decoder, tdir, ddir, Bs, {}, 1, Bar(len(Bs), "compile+capture"))
     if dec is not None:
+        kernels: dict = {}
         for b in Bs:
-            res[b]["c"] = attempt("c", errors, bench_specgraph, dec, b, a.iters, 1)
+            res[b]["c"] = attempt("c", errors, bench_specgraph, dec, b, a.iters, 1, kernels)
+            res[b]["c_kernels"] = kernels.get(b)
         progress("(d) spec-graph multi-step N=8")
-        if attempt("d", errors, recapture, dec, 8, Bar(len(Bs), "capture N=8")) is None and "d" not in errors:
+        if "d" not in skip and attempt("d", errors, recapture, dec, 8, Bar(len(Bs), "capture N=8")) is None \
+                and "d" not in errors:
             for b in Bs:
                 res[b]["d"] = attempt("d", errors, bench_specgraph, dec, b, a.iters, 8)
         target, draft = dec.target, dec.draft
@@ -428,7 +503,8 @@ def main():
         g = GraphSet(sg_platform.current())
         bar = Bar(len(Bs), "compile+capture")
         for b in Bs:
-            res[b]["e"] = attempt("e", errors, bench_target_decode, target, b, a.iters, g)
+            e = attempt("e", errors, bench_target_decode, target, b, a.iters, g)
+            res[b]["e"], res[b]["e_kernels"] = e if e is not None else (None, None)
             bar.step()
         flush(bw)
     if "off" not in skip:
@@ -451,17 +527,48 @@ def main():
         plot(res, Bs, out.with_name("bench_step.png"))
 
 
+def main_table(a) -> None:
+    Bs = [int(b) for b in a.batch_sizes.split(",")]
+    max_lens = [int(m) for m in a.table_max_lens.split(",")]
+    t0 = time.time()
+    bw = copy_bandwidth()
+    progress(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    (tdir, hf_t), (ddir, hf_d) = make_pair(Path(tempfile.mkdtemp()))
+    del hf_t, hf_d
+    torch.cuda.empty_cache()
+    table = context_table(tdir, ddir, Bs, max_lens, a.iters, bw)
+    cmd = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
+    L = [f"## bench_step --table — {datetime.date.today().isoformat()}", "",
+         f"- device: {sg_platform.current().device_name()}; torch {torch.__version__}; triton {_triton_version()}",
+         f"- command: `{cmd}`",
+         f"- the step (c) of the pair (bf16, K={K}) at each static max_len and live context; CUDA-event medians of "
+         f"{a.iters}; floor = weights + live KV over the measured copy bandwidth {bw / 1e12:.2f} TB/s; "
+         f"whole run {(time.time() - t0) / 60:.1f} min", ""] + table
+    out = Path(a.out)
+    prev = out.read_text() if out.exists() else "# Benchmark results\n"
+    out.write_text(prev.rstrip() + "\n\n" + "\n".join(L) + "\n")
+    print("\n".join(L))
+
+
 def floors(res, Bs, bw, models) -> None:
     """Bytes floor per step: target weights once, draft weights K times, and the KV of the context."""
     if models is None:
         return
     target, draft = models
-    wt = sum(p.numel() * p.element_size() for p in target.parameters())
-    wd = sum(p.numel() * p.element_size() for p in draft.parameters())
-    kv_tok = lambda m: 2 * m.args.num_layers * m.args.num_kv_heads * m.args.head_dim * 2  # noqa: E731  K and V, bf16
     for b in Bs:
-        kv = (kv_tok(target) + K * kv_tok(draft)) * CONTEXT * b
-        res[b]["floor"] = (wt + K * wd + kv) / bw * 1e3
+        res[b]["floor"] = step_bytes(target, draft, b, CONTEXT) / bw * 1e3
+        if isinstance(res[b].get("e"), float):  # the target decode's own floor: its weights and live KV once
+            res[b]["e_floor"] = step_bytes(target, None, b, CONTEXT) / bw * 1e3
+
+
+def step_bytes(target, draft, B: int, context: int) -> int:
+    """Bytes a step must read: target weights once, draft weights K times, and the live KV (no draft: a
+    target decode)."""
+    weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    kv_tok = lambda m: 2 * m.args.num_layers * m.args.num_kv_heads * m.args.head_dim * 2  # noqa: E731  K and V, bf16
+    if draft is None:
+        return weights(target) + kv_tok(target) * context * B
+    return weights(target) + K * weights(draft) + (kv_tok(target) + K * kv_tok(draft)) * context * B
 
 
 def attempt(label: str, errors: dict, fn, *args):
@@ -509,6 +616,13 @@ def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
     if isinstance(c1, float) and isinstance(d1, float):
         L.append(f"- derived end-to-end at alpha=0.8, K=4 (3.36 tokens/step), B={Bs[0]}: "
                  f"{c1 / 3.36:.3f} ms/token (N=1), {d1 / 3.36:.3f} ms/token (N=8)")
+    for b in Bs:
+        d = res[b]
+        share = lambda t, fl: f"{fl / t:.0%}" if isinstance(t, float) and isinstance(fl, float) else "n/a"  # noqa: E731
+        cnt = lambda n: f"{n:.0f}" if isinstance(n, float) else "n/a"  # noqa: E731
+        L.append(f"- B={b}: kernels per step (c) {cnt(d.get('c_kernels'))}, (e) {cnt(d.get('e_kernels'))}; share of "
+                 f"the copy bandwidth reached: (c) {share(d.get('c'), d.get('floor'))}, "
+                 f"(e) {share(d.get('e'), d.get('e_floor'))}")
     L += host_lines(Bs[min(1, len(Bs) - 1)], host1, host8)
     if real is not None:
         L.append(f"- embedded trained pair (graphs, N=8, B=1, K=4): acceptance {real[0]:.3f}, "

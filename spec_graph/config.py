@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_MAX_LEN = 512
+DEVICES = ("cuda", "npu", "cpu")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 CACHE_ALIGN = 16  # cache positions: rows of attention scores stay 32-byte aligned for the matmul kernels
 
@@ -21,7 +23,9 @@ class SpecGraphConfig:
 
     num_speculative_tokens: K, draft tokens proposed per step (1..16).
     max_batch_size: request slots decoded together; more prompts are queued.
-    max_len: longest prompt + generated tokens a request may reach.
+    max_len: longest prompt + generated tokens a request may reach. None (the default) means 512, lowered
+        to the models' window (max_position_embeddings) when that is shorter; a max_len given above the
+        window is kept, with a warning.
     dtype: "auto" (bfloat16 on accelerators, float32 on CPU), "float32", "bfloat16" or "float16".
     device: "cuda", "npu", "cpu" or None for the best one found.
     batch_buckets: padded batch sizes the step is built for.
@@ -32,7 +36,7 @@ class SpecGraphConfig:
 
     num_speculative_tokens: int = 4
     max_batch_size: int = 8
-    max_len: int = 512
+    max_len: int | None = None
     dtype: str = "auto"
     device: str | None = None
     batch_buckets: tuple[int, ...] = field(default_factory=lambda: DEFAULT_BUCKETS)
@@ -42,19 +46,23 @@ class SpecGraphConfig:
 
     def __post_init__(self):
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
             )
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")
-        if not isinstance(self.max_len, int) or self.max_len < 2:
+        # max_len_given: whether the caller chose max_len (the engine lowers only the default to the window)
+        self.max_len_given = self.max_len is not None
+        if self.max_len is None:
+            self.max_len = DEFAULT_MAX_LEN
+        if not _is_int(self.max_len) or self.max_len < 2:
             raise ValueError(f"max_len must be an integer >= 2, got {self.max_len!r}")
         buckets = tuple(sorted({int(b) for b in self.batch_buckets}))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"batch_buckets must be positive integers, got {self.batch_buckets!r}")
         self.batch_buckets = buckets
-        if not isinstance(self.steps_per_graph, int) or self.steps_per_graph < 1:
+        if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
 
     @property
@@ -67,3 +75,56 @@ class SpecGraphConfig:
             if b >= batch:
                 return b
         return batch
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_device(device) -> None:
+    """Refuse, with the project's one-line message, a device string torch cannot even parse: an unknown type,
+    or "npu" where torch_npu is missing (torch only learns the type "npu" when torch_npu is imported, so
+    ``torch.device("npu")`` would raise torch's own message first)."""
+    if device is None:
+        return
+    import torch
+
+    if isinstance(device, torch.device):
+        kind = device.type
+    elif isinstance(device, str):
+        kind = device.strip().split(":")[0].lower()
+    else:
+        raise ValueError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
+    if kind not in DEVICES:
+        raise ValueError(f"unsupported device {device!r}: use cuda, npu or cpu")
+    from . import platform
+
+    if kind == "npu" and not platform._npu_available():
+        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use --device cpu")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"malformed device {device!r}: use cuda, cuda:N, npu, npu:N or cpu") from None
+
+
+def check_window(prompt_len: int, max_new_tokens: int, window: int, what: str = "the prompt",
+                 fix: str = "shorten the prompt or lower max_new_tokens") -> None:
+    """Raise a one-line ValueError naming both numbers when ``prompt_len + max_new_tokens`` positions do not fit
+    ``window`` (the model's ``max_position_embeddings``; a pair's: ``pair_window``). For the export and the
+    vLLM drafter as well as the engine."""
+    need = prompt_len + max_new_tokens
+    if need > window:
+        raise ValueError(
+            f"{what} has {prompt_len} tokens; with max_new_tokens={max_new_tokens} it needs {need} positions, "
+            f"past the model's window of {window} (max_position_embeddings in config.json): {fix}"
+        )
+
+
+def beyond_window_warning(max_len: int, window: int, rope_scaling: dict | None = None) -> str | None:
+    """The warning for a max_len chosen above the window, or None when it fits."""
+    if max_len <= window:
+        return None
+    why = ("the config's llama3 rope scaling already counts in that window" if rope_scaling else
+           "the config has no rope scaling (rope_scaling) that would extend it")
+    return (f"max_len={max_len} is past the model's window of {window} positions (max_position_embeddings in "
+            f"config.json; {why}): tokens past position {window} were never trained for and may be garbage")

@@ -6,19 +6,48 @@ the one-step function (eager, or compiled by the ``spec_graph`` backend).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from . import platform
-from .config import SpecGraphConfig
+from .config import SpecGraphConfig, beyond_window_warning, check_device
 from .models import load_model, parse_dtype, read_config
-from .runtime import (MAX_STOP_IDS, WRITEBACK, DecoderBase, GenerationOutput, GenerationResult,  # noqa: F401
-                      GenerationStats, load_tokenizer)
+# GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
+from .runtime import (WRITEBACK, DecoderBase, GenerationOutput, GenerationResult, GenerationStats,  # noqa: F401
+                      load_tokenizer)
 from .step import speculative_step
 
-_load_tokenizer = load_tokenizer  # kept for callers of the old private name
+log = logging.getLogger("spec_graph")
+
+# The fusion each compiled step must get (greedy: True). The fused ops come only from the passes'
+# pattern match, and a step the pass no longer matches still computes the same tokens with the
+# unfused reference ops: only the pass's count tells the two apart.
+EXPECTED_FUSION = {True: "fuse_greedy_accept", False: "fuse_prepare_next"}
+
+
+def check_fusions(reports: list, expected: str, mode: str, warned: set) -> None:
+    """Warn (once per pass in `warned`) when a compile's pass counts in `reports` (what the backend's
+    ``on_passes`` received, one entry per compile) show that `expected` did not fire."""
+    for counts in reports:
+        if counts is None:
+            # The passes did not run: inductor's FX graph cache (or AOT autograd cache) served the graph.
+            # Nothing to count, and nothing to fear: a hit means an identical graph was compiled before with
+            # passes of identical uuids (the cache key holds PassManager.uuid() and the torch version); that
+            # compile ran the passes, and this check saw their count.
+            log.debug("spec-graph: the compiled %s step came from inductor's cache: its fusion passes did not run, "
+                      "no count to check", mode)
+        elif counts.get(expected, 0) < 1 and expected not in warned:
+            warned.add(expected)
+            log.warning(
+                "spec-graph: fusion pass %s replaced nothing in the compiled %s step (counts %s): the step runs "
+                "the unfused reference ops instead of the fused kernel -- same tokens, more kernels. The pass "
+                "matches the graph torch %s produces from step.py, so a torch change can break the match; "
+                "SpecGraphConfig(passes={%r: False}) turns the pass and this check off.",
+                expected, mode, counts, torch.__version__, expected)
 
 
 def _eos_ids(path: str, args) -> set[int]:
@@ -53,9 +82,20 @@ class SpecDecoder(DecoderBase):
             )
         device = target.model.embed_tokens.weight.device
         plat = plat or platform.get(device)
+        # The pair's window: the default max_len is lowered to it; one chosen above it is kept, with a warning.
+        self.window = min(target.args.max_position_embeddings, draft.args.max_position_embeddings)
+        if config.max_len > self.window:
+            if getattr(config, "max_len_given", True):
+                scaled = target.args.rope_scaling or draft.args.rope_scaling
+                log.warning("spec-graph: %s", beyond_window_warning(config.max_len, self.window, scaled))
+            else:
+                config = dataclasses.replace(config, max_len=self.window)
         # Graphs: compiled by the spec_graph backend; captured per bucket where the platform can.
         self.compiled = config.enable_graph if config.enable_graph is not None else plat.supports_graphs
         self._fns: dict = {}
+        # {"greedy" | "sampling": the passes' counts of each compile of that step (None: served from cache)}
+        self.pass_counts: dict[str, list] = {}
+        self._fusion_warned: set = set()  # passes warned about (once per engine and pass)
         super().__init__(config, vocab, device, plat, tokenizer, eos_token_ids,
                          use_graphs=bool(self.compiled and plat.supports_graphs))
 
@@ -63,6 +103,7 @@ class SpecDecoder(DecoderBase):
     @classmethod
     def from_pretrained(cls, target_dir, draft_dir, config: SpecGraphConfig | None = None) -> "SpecDecoder":
         config = config or SpecGraphConfig()
+        check_device(config.device)
         _, targs = read_config(target_dir)
         _, dargs = read_config(draft_dir)
         if targs.vocab_size != dargs.vocab_size:
@@ -102,9 +143,14 @@ class SpecDecoder(DecoderBase):
             if compiled:
                 from .backend import spec_graph_backend
 
+                mode, expected = ("greedy" if greedy else "sampling"), EXPECTED_FUSION[greedy]
+                check = bool(self.config.passes.get(expected, True))  # a pass turned off is not expected
+                seen, warned = self.pass_counts.setdefault(mode, []), self._fusion_warned
+                reports: list = []  # filled by the backend during a compile, drained right after it
                 compiled_step = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
                                               options={"capture": False, "device": self.platform.name,
-                                                       "passes": dict(self.config.passes)})
+                                                       "passes": dict(self.config.passes),
+                                                       "on_passes": reports.append})
 
                 def fn(st, out_buf, acc_log, *rest):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
@@ -112,7 +158,15 @@ class SpecDecoder(DecoderBase):
                     if st["tail"].shape[0] > 1:
                         for t in (*st.values(), out_buf, acc_log):
                             torch._dynamo.maybe_mark_dynamic(t, 0)
-                    return compiled_step(st, out_buf, acc_log, *rest)
+                    out = compiled_step(st, out_buf, acc_log, *rest)
+                    # A compile happens inside a call (the first, a new bucket shape, a recompile) and leaves its
+                    # counts here. Host-side Python only, no device read; any other call: one empty-list test.
+                    if reports:
+                        seen.extend(reports)
+                        if check:
+                            check_fusions(reports, expected, mode, warned)
+                        reports.clear()
+                    return out
 
             self._fns[greedy] = fn
         return fn

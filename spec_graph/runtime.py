@@ -11,7 +11,9 @@ This module imports none of the model code.
 from __future__ import annotations
 
 import logging
+import numbers
 import random
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,8 +23,8 @@ from typing import Sequence
 import torch
 
 from .capture import GraphSet
-from .config import SpecGraphConfig
-from .kernels import PLACEHOLDER, race_sample
+from .config import SpecGraphConfig, check_window
+from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
 
@@ -46,21 +48,27 @@ class GenerationResult:
 
 @dataclass
 class GenerationStats:
+    """What one ``generate`` call did.
+
+    A *request-step* is one request's share of a forward that commits its tokens: its prefill (which
+    commits its first token) and each speculative step it took part in. ``tokens_per_step`` is committed
+    tokens per request-step, so that it adds up::
+
+        tokens_per_step * request_steps == generated_tokens
+
+    (for a single prompt, ``request_steps == steps + 1``). The last step of a request counts only the tokens
+    it committed (``max_new_tokens`` or a stop token may cut it short); a request whose logits turned
+    non-finite counts the tokens it kept.
+    """
+
     acceptance_rate: float  # accepted / proposed draft tokens
     acceptance_rate_per_position: list[float]  # P(draft position j accepted)
-    tokens_per_step: float  # mean tokens committed per request per step
+    tokens_per_step: float  # generated_tokens / request_steps (see above)
     steps: int  # speculative steps run (each is one target forward over the batch)
     prefills: int  # prefill forwards run
     generated_tokens: int
     wall_time_s: float
-
-    @property
-    def wall_time(self) -> float:
-        return self.wall_time_s
-
-    @property
-    def mean_tokens_per_step(self) -> float:
-        return self.tokens_per_step
+    request_steps: int = 0  # per request: 1 (its prefill) + the speculative steps it took part in
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -73,10 +81,6 @@ class GenerationOutput(list):
         super().__init__(results)
         self.stats = stats
 
-    @property
-    def outputs(self) -> list[GenerationResult]:
-        return list(self)
-
 
 def load_tokenizer(path: str):
     f = Path(path) / "tokenizer.json"
@@ -84,7 +88,12 @@ def load_tokenizer(path: str):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(f))
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{f} is not a valid tokenizer file ({why}): re-save it with the tokenizers library, "
+                         "or remove it and pass prompts as token ids") from None
 
 
 class DecoderBase:
@@ -99,6 +108,9 @@ class DecoderBase:
     """
 
     capture_prefill = False
+    # Positions the models were built for (max_position_embeddings), None when unknown; a subclass sets it.
+    # Requests past it are refused unless max_len was chosen above it (with a warning).
+    window: int | None = None
 
     def __init__(self, config: SpecGraphConfig, vocab_size: int, device: torch.device, plat, tokenizer=None,
                  eos_token_ids=(), use_graphs: bool = False, rows: int | None = None):
@@ -130,6 +142,8 @@ class DecoderBase:
         self._new_prefill_graphs()
         self._captured_modes: set = set()
         self._fallback_warned = False
+        # generate() uses the one set of slots and buffers: concurrent calls run one after the other
+        self._generate_lock = threading.Lock()
 
     def _new_prefill_graphs(self) -> None:
         # A pool of their own: a prefill graph's logits stay live in it while step graphs replay.
@@ -149,16 +163,17 @@ class DecoderBase:
     def _encode(self, prompts, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("the target checkpoint has no tokenizer.json: pass prompts as token-id lists")
                 ids = self.tokenizer.encode(p).ids
-            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                ids = list(p)
+            elif isinstance(p, Sequence) and not isinstance(p, bytes) and all(_is_int(t) for t in p):
+                ids = [int(t) for t in p]
             else:
                 raise ValueError(f"prompt {i} is neither a string nor a list of integer token ids")
             if not ids:
@@ -166,6 +181,11 @@ class DecoderBase:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+            if len(ids) + max_new_tokens > self.config.max_len and self.window is not None \
+                    and self.config.max_len <= self.window:  # (a max_len above the window was asked for)
+                check_window(len(ids), max_new_tokens, self.window, what=f"prompt {i}",
+                             fix="shorten the prompt or lower max_new_tokens (an explicit max_len above the window, "
+                                 "SpecGraphConfig.max_len / --max-len, runs past it with a warning)")
             if len(ids) + max_new_tokens > self.config.max_len:
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
@@ -198,20 +218,20 @@ class DecoderBase:
         logits = self._prefill_logits(toks, pos, slot_t, lens)
         st = self.state
         st["temperature"][slot_t] = max(params.temperature, 1e-5)
-        st["top_k"][slot_t] = params.top_k
+        st["top_k"][slot_t] = min(params.top_k, self.vocab_size)  # the same filter; an int64 whatever top_k is
         st["top_p"][slot_t] = params.top_p
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
         if params.greedy:
             first = logits.argmax(-1)
         else:
             probs = logits_to_probs(logits, st["temperature"][slot_t], st["top_k"][slot_t], st["top_p"][slot_t])
-            first = race_sample(probs, seeds_t, torch.zeros_like(seeds_t), slot_t, 0)
+            first = race_sample(probs, seeds_t, torch.zeros_like(seeds_t), REQUEST_ROW, 0)
         finite = torch.isfinite(logits).all(-1)
         max_new_t = torch.tensor(max_new, device=dev)
         done = torch.isin(first, stop_ids) | (max_new_t <= 1)
         st["tail"][slot_t] = torch.stack((toks[torch.arange(n, device=dev), lens - 1], first), 1)
         st["seq_lens"][slot_t] = lens + 1
-        st["n_out"][slot_t] = 1
+        st["n_out"][slot_t] = finite.long()  # non-finite logits commit nothing: no made-up first token
         st["max_new"][slot_t] = max_new_t
         st["seeds"][slot_t] = seeds_t
         st["steps"][slot_t] = 1
@@ -291,24 +311,47 @@ class DecoderBase:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids=None) -> GenerationOutput:
-        t0 = time.perf_counter()
-        params = SamplingParams(float(temperature), float(top_p), top_k)
+                 top_k: int = 0, seed: int | None = None, stop_token_ids=None, *, progress=None) -> GenerationOutput:
+        """One result per prompt, with ``.stats``. Every argument is checked first: a bad one is a ValueError
+        naming it. Calls from several threads run one after the other (the slots and buffers are shared).
+        ``progress(done_tokens, total_tokens)``, when given, is called after each prefill and step replay
+        (``total_tokens`` is prompts x max_new_tokens; stop tokens may end a request earlier)."""
+        params = SamplingParams(temperature, top_p, top_k)
         encoded = self._encode(prompts, max_new_tokens)
-        stops = list(self.eos_token_ids)
-        for t in stop_token_ids or []:
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop token id {t!r} is out of range [0, {self.vocab_size})")
-            stops.append(t)
-        stop_set = set(stops)
+        max_new_tokens = int(max_new_tokens)
+        stop_set = self._stop_set(stop_token_ids)
+        if seed is None:
+            seed = random.SystemRandom().getrandbits(63)
+        elif not _is_int(seed):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if progress is not None and not callable(progress):
+            raise ValueError(f"progress must be a callable (done_tokens, total_tokens) or None, got {progress!r}")
+        with self._generate_lock:
+            return self._generate(encoded, max_new_tokens, params, int(seed), stop_set, progress)
+
+    def _stop_set(self, stop_token_ids) -> set[int]:
+        if stop_token_ids is None:
+            given = []
+        elif isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}"
+                             + (f": write [{stop_token_ids}]" if _is_int(stop_token_ids) else ""))
+        else:
+            given = list(stop_token_ids)
+        for t in given:
+            if not _is_int(t) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop token id {t!r} (stop_token_ids) is out of range [0, {self.vocab_size})")
+        stop_set = set(self.eos_token_ids) | {int(t) for t in given}
         if len(stop_set) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop_set)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
+        return stop_set
+
+    def _generate(self, encoded: list[list[int]], max_new_tokens: int, params: SamplingParams, seed: int,
+                  stop_set: set[int], progress) -> GenerationOutput:
+        t0 = time.perf_counter()
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
         stop_ids = self.stop_buf
         self._capture(params.greedy)
-        if seed is None:
-            seed = random.SystemRandom().getrandbits(63)
         req_seeds = [(seed * _SEED_MIX[0] + (i + 1) * _SEED_MIX[1]) % (1 << 63) for i in range(len(encoded))]
 
         S = self.config.max_batch_size
@@ -335,6 +378,13 @@ class DecoderBase:
                 results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r], accs[j][: nsteps[j] - 1])
                 owner[s] = None
 
+        total = len(encoded) * max_new_tokens
+
+        def report() -> None:  # tokens committed so far: finished requests' plus the busy slots' counts
+            n_out = self.state["n_out"][:S].tolist()
+            done = sum(len(r.token_ids) for r in results if r is not None)
+            progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
+
         while pending or any(o is not None for o in owner):
             free = [s for s in range(S) if owner[s] is None]
             admit = [(s, pending.popleft()) for s in free[: len(pending)]]
@@ -349,12 +399,16 @@ class DecoderBase:
                 finish([s for s, a in zip(slots, act) if not a])
             busy = [s for s in range(S) if owner[s] is not None]
             if not busy:
+                if progress is not None:
+                    report()
                 continue
             B = self.config.bucket_for(max(busy) + 1)
             self._run_steps(B, params.greedy)
             steps += self.config.steps_per_graph
             active = self.state["active"][:B].tolist()  # the one host read per replay
             finish([s for s in busy if not active[s]])
+            if progress is not None:
+                report()
 
         return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0))
 
@@ -368,12 +422,20 @@ class DecoderBase:
         K = self.K
         n = len(counts)
         per_pos = [sum(a > j for a in counts) / n if n else 0.0 for j in range(K)]
+        generated = sum(len(r.token_ids) for r in results)
+        request_steps = n + len(results)  # each request's speculative steps, plus its prefill
         return GenerationStats(
             acceptance_rate=sum(counts) / (n * K) if n else 0.0,
             acceptance_rate_per_position=per_pos,
-            tokens_per_step=(sum(counts) + n) / n if n else 0.0,
+            tokens_per_step=generated / request_steps if request_steps else 0.0,
             steps=steps,
             prefills=prefills,
-            generated_tokens=sum(len(r.token_ids) for r in results),
+            generated_tokens=generated,
             wall_time_s=wall,
+            request_steps=request_steps,
         )
+
+
+def _is_int(v) -> bool:
+    """An integer that is not a bool (numpy integers included)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

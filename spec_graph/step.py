@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .kernels import (DRAFT_POS_BASE, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
+from .kernels import (DRAFT_POS_BASE, REQUEST_ROW, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
                       prepare_next_ref, race_sample)
 from .sampling import logits_to_probs
 
@@ -51,20 +51,23 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
 
     # 1. draft: 2-token catch-up, then K-1 single-token forwards
     pos = torch.stack((c - 2, c - 1), dim=1).clamp(0, last_pos)
+    # Non-finite draft logits do not end a request: the target decides. Greedy: a draft from NaN logits is an
+    # ordinary token id that the target accepts only where it equals its own argmax. Sampling: such a draft
+    # is proposed with q = one-hot(d) (d ~ q holds trivially), so the rejection rule accepts it with
+    # probability p(d) and otherwise resamples from p without d: still exactly the target's distribution.
     logits = draft(tail, pos, *draft_kv)[:, -1]
-    finite = torch.isfinite(logits).all(-1)
     drafts, draft_probs = [], []
     for j in range(K):
         if j > 0:
             pos_j = (c - 1 + j).clamp(0, last_pos)[:, None]
             logits = draft(drafts[-1][:, None], pos_j, *draft_kv)[:, 0]
-            finite = finite & torch.isfinite(logits).all(-1)
         if greedy:
             d = logits.argmax(-1)
         else:
             q = sample(logits)
-            d = race_sample(q, seeds, steps, rows, DRAFT_POS_BASE + j)
-            draft_probs.append(q)
+            d = race_sample(q, seeds, steps, REQUEST_ROW, DRAFT_POS_BASE + j)
+            one_hot = torch.zeros_like(q).scatter(-1, d[:, None], 1.0)
+            draft_probs.append(torch.where(torch.isfinite(logits).all(-1, keepdim=True), q, one_hot))
         drafts.append(d)
     draft_ids = torch.stack(drafts, dim=1)  # [B, K]
 
@@ -72,7 +75,7 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     vtok = torch.cat((tail[:, 1:], draft_ids), dim=1)
     vpos = (c[:, None] - 1 + torch.arange(K + 1, device=dev)[None]).clamp(0, last_pos)
     tlogits = target(vtok, vpos, *target_kv)  # [B, K+1, V]
-    finite = finite & torch.isfinite(tlogits).all(-1).all(-1)
+    finite = torch.isfinite(tlogits).all(-1).all(-1)  # the target's logits decide; a failed row commits nothing
     ok = active & finite
 
     # 3 + 4. rejection, counting, next inputs, output append

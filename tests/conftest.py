@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from helpers import build_tokenizer, make_checkpoint, perturbed_copy  # noqa: E402
 
+# The shared draft agrees often enough that every accepted count 0..K is reached (K up to 5): the verify
+# positions 1..K and the bonus token decide tokens in the greedy tests, not only position 0.
+NEAR_NOISE = 0.03
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA or NPU device; skipped elsewhere")
@@ -34,8 +38,8 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def llama_pair(tmp_path_factory, tokenizer):
-    """(target, draft) directories: a random Llama target and a noisy copy of it as draft."""
+    """(target, draft) directories: a random Llama target and a near copy of it as draft."""
     root = tmp_path_factory.mktemp("pair")
     target = make_checkpoint(root / "target", vocab_size=96, tokenizer=tokenizer, layers=2)
-    draft = perturbed_copy(target, root / "draft", noise=0.6)
+    draft = perturbed_copy(target, root / "draft", noise=NEAR_NOISE)
     return target, draft

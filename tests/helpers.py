@@ -84,6 +84,22 @@ def hf_greedy(path, prompt: list[int], max_new_tokens: int, eos: int | None = 1)
     return toks
 
 
+def accepted_histogram(out, K: int) -> list[int]:
+    """How many steps accepted 0, 1, .., K drafts, over every request of a generate() output."""
+    hist = [0] * (K + 1)
+    for r in out:
+        for a in r.accepted_counts:
+            hist[a] += 1
+    return hist
+
+
+def assert_every_count(out, K: int) -> None:
+    """Each accepted count 0..K occurred: a rejection at every draft position and the bonus token decided
+    tokens, so the verify positions 1..K were tested, not only position 0."""
+    hist = accepted_histogram(out, K)
+    assert all(hist), f"accepted counts per step {hist} do not cover 0..{K}"
+
+
 def write_json(path, obj) -> None:
     Path(path).write_text(json.dumps(obj))
 

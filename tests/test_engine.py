@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from helpers import hf_greedy, make_checkpoint, perturbed_copy
+from helpers import ARCHS, assert_every_count, hf_greedy, make_checkpoint, perturbed_copy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 
@@ -28,7 +28,39 @@ def test_greedy_equals_hf_with_different_draft(llama_pair, references, K):
     for r, ref in zip(out, references):
         assert r.token_ids == ref
         assert r.finish_reason == ("stop" if ref[-1] == 1 else "length")
-    assert 0.0 < out.stats.acceptance_rate < 1.0  # the draft really differs, and sometimes agrees
+    assert 0.0 < out.stats.acceptance_rate < 1.0  # the draft really differs, and often agrees
+    assert_every_count(out, K)
+
+
+def test_every_count_rejects_a_draft_that_never_agrees(llama_pair, tmp_path):
+    """The control of the histogram check: a far draft never reaches the all-accepted path."""
+    target, _ = llama_pair
+    far = perturbed_copy(target, tmp_path / "far", noise=0.6)
+    out = decoder(target, far, 3).generate(PROMPTS, max_new_tokens=20)
+    with pytest.raises(AssertionError, match="do not cover"):
+        assert_every_count(out, 3)
+
+
+# Architecture-specific features, each reached by the generated lengths below: Qwen2 with a sliding window
+# on its upper layer, Qwen3's q/k norms, Mistral's sliding window on every layer.
+ARCH_VARIANTS = {
+    "LlamaForCausalLM": dict(),
+    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "Qwen3ForCausalLM": dict(head_dim=16),
+    "MistralForCausalLM": dict(sliding_window=7),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_hf_generate_per_architecture(tmp_path, arch):
+    """HF ``generate`` is the reference for every supported architecture, with a near draft of its own."""
+    target = make_checkpoint(tmp_path / "t", arch, vocab_size=96, layers=2, **ARCH_VARIANTS[arch])
+    draft = perturbed_copy(target, tmp_path / "d", noise=0.03)
+    K = 3
+    out = decoder(target, draft, K).generate(PROMPTS, max_new_tokens=24)
+    for p, r in zip(PROMPTS, out):
+        assert r.token_ids == hf_greedy(target, p, 24), (arch, p)
+    assert_every_count(out, K)
 
 
 def test_queued_prompts_continuous_batching(llama_pair, references):

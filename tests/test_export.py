@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_every_count, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig, __version__
 from spec_graph.cli import main
@@ -116,7 +117,7 @@ def test_fused_triton_ops_survive_export(exported):
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-def test_greedy_equals_engine_token_for_token(exported, engine, slots):
+def test_greedy_equals_engine_token_for_token(exported, engine, llama_pair, slots):
     runner = load_exported(exported[0], max_batch_size=slots)
     engine.config.max_batch_size = slots  # queue through the same number of slots
     try:
@@ -128,6 +129,8 @@ def test_greedy_equals_engine_token_for_token(exported, engine, slots):
     assert [r.finish_reason for r in out] == [r.finish_reason for r in ref]
     assert [r.accepted_counts for r in out] == [r.accepted_counts for r in ref]
     assert 0.0 < out.stats.acceptance_rate < 1.0 and out.stats.steps == ref.stats.steps
+    assert_every_count(out, K)
+    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 20) for p in PROMPTS]
 
 
 def test_sampling_equals_engine(runner, engine):

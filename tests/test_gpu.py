@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import assert_every_count, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.cli import DEFAULT_PAIR
@@ -41,6 +41,21 @@ def test_eager_fp32_on_device_equals_hf(llama_pair):
     prompts = [[5, 9, 17, 33, 2], [40, 41], [3]]
     out = dec.generate(prompts, 16)
     assert [r.token_ids for r in out] == [hf_greedy(target, p, 16) for p in prompts]
+    assert_every_count(out, 3)
+
+
+def test_captured_near_draft_fp32_equals_hf(llama_pair):
+    """The compiled, captured step in fp32 with the near draft: HF's greedy tokens, every accepted count 0..K."""
+    target, draft = llama_pair
+    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=3, max_len=64,
+                                                                     dtype="float32", max_batch_size=4,
+                                                                     batch_buckets=(4,)))
+    assert dec.graphs is not None
+    prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63]]
+    out = dec.generate(prompts, 20)
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, 20) for p in prompts]
+    assert set(dec.graphs.graphs) == {(True, 4)} and not dec.graphs.failed
+    assert_every_count(out, 3)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +69,7 @@ def test_captured_equals_eager_bf16(captured, eager_bf16):
     assert set(captured.graphs.graphs) == {(True, 1), (True, 2), (True, 4)} and not captured.graphs.failed
     assert [r.token_ids for r in out] == eager_bf16
     assert out.stats.acceptance_rate > 0.5
+    assert_every_count(out, 4)
 
 
 def test_multi_step_equals_single_step_captured(captured, eager_bf16):

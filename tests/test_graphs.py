@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FakePlatform, fake_platform
+from helpers import FakePlatform, assert_every_count, fake_platform, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.capture import CapturedFunction, GraphSet
@@ -41,7 +41,11 @@ def step_events(plat, dec, out) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def eager_tokens(llama_pair):
-    return [r.token_ids for r in engine(llama_pair, max_batch_size=4).generate(PROMPTS, 20)]
+    """The eager engine's tokens, which are HF's own greedy tokens (the other tests compare against these)."""
+    out = engine(llama_pair, max_batch_size=4).generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 20) for p in PROMPTS]
+    assert_every_count(out, 3)
+    return [r.token_ids for r in out]
 
 
 def test_compiled_engine_equals_eager(llama_pair, eager_tokens, monkeypatch):
@@ -66,7 +70,9 @@ def test_compiled_engine_equals_eager(llama_pair, eager_tokens, monkeypatch):
     assert counters["stats"]["unique_graphs"] - before == 2
     # the fusion fires on the symbolic-batch graph as on the static one
     assert [r["fuse_greedy_accept"] for r in runs] == [1, 1]
-    assert [r.token_ids for r in dec.generate(PROMPTS, 20)] == eager_tokens
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert_every_count(out, 3)
 
 
 def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
@@ -74,6 +80,7 @@ def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
     dec = engine(llama_pair, plat=plat, enable_graph=True, max_batch_size=4, batch_buckets=(4,), steps_per_graph=2)
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
+    assert_every_count(out, 3)
     records, step_replays = step_events(plat, dec, out)
     assert records == 1 and out.stats.steps == 2 * step_replays
 
@@ -84,6 +91,7 @@ def test_captured_through_platform_seam(llama_pair, eager_tokens):
                  batch_buckets=(1, 2, 4))
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
+    assert_every_count(out, 3)
     records, step_replays = step_events(plat, dec, out)
     assert records == 3  # one graph per bucket
     assert step_replays == out.stats.steps  # every step ran as a replay
@@ -97,6 +105,7 @@ def test_multi_step_equals_single_step(llama_pair, eager_tokens, n):
                  batch_buckets=(2, 4), steps_per_graph=n)
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
+    assert_every_count(out, 3)
     # the host reads once per replay, and a replay runs n steps
     assert out.stats.steps == n * step_events(plat, dec, out)[1]
 
@@ -214,8 +223,8 @@ def test_short_prefills_replay_a_graph_per_rows_and_length(llama_pair, eager_tok
     calls = []
     forward = dec._prefill_forward
     dec._prefill_forward = lambda *a: (calls.append(tuple(a[0].shape)), forward(*a))[1]
-    out = dec.generate(PROMPTS, 20)
-    assert [r.token_ids for r in out] == eager_tokens
+    out = dec.generate(PROMPTS * 2, 20)  # twice over, so that prefill shapes repeat and replay
+    assert [r.token_ids for r in out] == eager_tokens * 2
     keys = set(dec.prefill_graphs.graphs)
     assert keys == {(n, T) for n, T in calls} and out.stats.prefills > len(keys)
     # each key ran twice for warm-up, then once per prefill as a replay of the recorded callable

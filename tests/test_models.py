@@ -161,3 +161,62 @@ def test_compiled_decode_does_not_copy_the_kv_cache(tmp_path):
     sizes = [m.group(1) for src in code for m in re.finditer(r"empty_strided\w*\(\(([^)]*)\)", src)]
     big = [s for s in sizes if eval(f"__import__('math').prod(({s},))") >= per_layer]
     assert sizes and not big, f"full-cache buffers in generated code: {big}"
+
+
+def test_fused_decode_attention_in_the_model_under_the_interpreter(tmp_path):
+    """Decode and verify forwards through spec_graph::decode_attention's Triton kernel (TRITON_INTERPRET=1, a
+    fresh process) give the logits and caches of the masked matmul path, with slots, GQA and a sliding window;
+    a broken kernel launch (one position short) is caught by the same comparison."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    paths = {arch: make_checkpoint(tmp_path / arch, arch, vocab_size=96, layers=2, heads=4, kv_heads=kv,
+                                   hidden_size=64, **extra)
+             for arch, kv, extra in (("LlamaForCausalLM", 2, {}), ("MistralForCausalLM", 1, dict(sliding_window=5)))}
+    code = f"""
+import os, torch
+assert os.environ["TRITON_INTERPRET"] == "1"
+from spec_graph.models import load_model
+from spec_graph.kernels import attention
+from spec_graph.kernels.rng import use_kernel
+assert use_kernel(attention._decode_attention_kernel, torch.zeros(1))  # the kernel runs, not its reference
+for path in {[str(p) for p in paths.values()]!r}:
+    m = load_model(path, "float32")
+    g = torch.Generator().manual_seed(0)
+    kv = m.new_kv_cache(4, 48)
+    slots = torch.tensor([2, 0, 3])
+    prompt = torch.randint(0, 96, (3, 12), generator=g)
+    m(prompt, torch.arange(12).expand(3, 12), *kv, slots=slots)
+    calls = []
+    orig = attention.decode_attention_ref
+    for T, start in ((3, torch.tensor([12, 7, 10])), (1, torch.tensor([15, 9, 13]))):
+        toks = torch.randint(0, 96, (3, T), generator=g)
+        pos = start[:, None] + torch.arange(T)[None]
+        for a in (True, False):
+            for layer in m.model.layers:
+                layer.self_attn.fused_decode = a
+            caches = tuple(c.clone() for c in kv)
+            out = m(toks, pos, *caches, slots=slots)
+            if a:
+                fused, fused_caches = out, caches
+        assert torch.allclose(fused, out, atol=1e-5, rtol=1e-5), (path, T, (fused - out).abs().max())
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(fused_caches, caches))  # later layers' keys
+        kv = caches
+    # the control: the kernel fed positions one short must disagree
+    for layer in m.model.layers:
+        layer.self_attn.fused_decode = True
+    real = attention.decode_attention
+    import spec_graph.models.llama as llama
+    llama.decode_attention = lambda q, kc, vc, layer, slots, positions, *a: real(q, kc, vc, layer, slots,
+                                                                                 positions - 1, *a)
+    bad = m(toks, pos, *tuple(c.clone() for c in kv), slots=slots)
+    llama.decode_attention = real
+    good = m(toks, pos, *tuple(c.clone() for c in kv), slots=slots)
+    assert not torch.allclose(bad, good, atol=1e-3), "a position off by one went unnoticed"
+print("OK")
+"""
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]

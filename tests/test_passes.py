@@ -5,6 +5,10 @@
   ``spec_graph::`` op by inductor with the PassManager as its post-grad pass,
   for several K and B, with outputs and the appended buffer equal to the
   unfused function's, exactly;
+- formulations sharing no code with the package (own count, stops, tail and
+  append) compute exactly what the op computes, on inputs reaching every branch,
+  and the pass leaves them unfused (which forms it matches, and why: see
+  test_own_formulations_are_left_alone);
 - turning a pass off leaves the graph unfused; the manager's uuid is stable
   and follows the enabled set;
 - under TRITON_INTERPRET=1 (in a subprocess: Triton decides compiled vs
@@ -46,7 +50,8 @@ NO_CACHE = {"fx_graph_cache": False}  # a cache hit would skip the post-grad pas
 
 
 # ------------------------------------------------------------ formulations
-# Written here, independently of the passes, the way someone might write them.
+# The counts written here, independently of the passes, the way someone might write them; the
+# prep/append after them is the package's prep_append_ref (see OWN_GREEDY for forms without it).
 def _greedy_rest(n, d, t, active, tail, seq_lens, n_out, max_new, stop_ids, out_buf):
     K = d.shape[1]
     j = torch.arange(K + 1, device=d.device)[None, :]
@@ -126,6 +131,75 @@ GREEDY = {"op": greedy_accept_prepare, "reference": greedy_accept_prepare_ref, "
           "where_min": greedy_where_min, "cumsum": greedy_cumsum, "argmax": greedy_argmax}
 PREPARE = {"op": prepare_next, "reference": prepare_next_ref, "cumprod": prep_cumprod, "where_amin": prep_where_amin,
            "where_min": prep_where_min, "cumsum": prep_cumsum, "argmax": prep_argmax}
+
+
+# ------------------------------------------ formulations sharing no code with the package
+# Written from the op's contract alone (no prep_append_ref, no kernels import but PLACEHOLDER):
+# per-column loops, torch.isin for the stops, the tail read off the committed stream, the
+# append as one index_put per column.
+def own_matching_prefix(d, t):
+    K = d.shape[1]
+    n = torch.zeros(d.shape[0], dtype=torch.long)
+    alive = torch.ones(d.shape[0], dtype=torch.bool)
+    for i in range(K):
+        alive = alive & (d[:, i] == t[:, i])
+        n = n + alive.long()
+    return n
+
+
+def own_prep_append(sampled, valid, active, tail, seq_lens, n_out, max_new, stop_ids, out_buf):
+    """Same contract as prep_append_ref, written independently of it."""
+    B, K1 = sampled.shape
+    L = out_buf.shape[1]
+    rows = torch.arange(B)
+    valid = torch.where(active, valid, 0)
+    # the committed stream is tail[0], tail[1], sampled[:valid]: the new tail is its last two tokens
+    stream = torch.cat((tail, sampled), dim=1)
+    new_tail = stream[rows[:, None], valid[:, None] + torch.arange(2)]
+    # the first produced token that is a stop id (stop_ids is PLACEHOLDER-padded) ends the row
+    hit = torch.isin(sampled, stop_ids) & (sampled != PLACEHOLDER)
+    first = torch.full((B,), K1)
+    for i in reversed(range(K1)):
+        first = torch.where(hit[:, i] & (i < valid), i, first)
+    keep = torch.minimum(torch.minimum(valid, (max_new - n_out).clamp(min=0)), first + 1)
+    for i in range(K1):  # column n_out + i gets sampled[:, i] while i < keep, inside the buffer
+        pos = n_out + i
+        at = pos.clamp(max=L - 1)
+        out_buf[rows, at] = torch.where((i < keep) & (pos < L), sampled[:, i], out_buf[rows, at])
+    new_n_out = n_out + keep
+    done = active & ((first < keep) | (new_n_out >= max_new))
+    return ((valid - 1).clamp(min=0), torch.where(active, K1 - valid, 0), new_tail, seq_lens + valid, new_n_out,
+            done)
+
+
+def _own_greedy(count, append):
+    def greedy(d, t, active, *state):
+        valid = torch.where(active, count(d, t) + 1, 0)
+        sampled = torch.where(torch.arange(d.shape[1] + 1) < valid[:, None], t, PLACEHOLDER)
+        return (sampled, *append(sampled, valid, active, *state))
+
+    return greedy
+
+
+def _known_count(d, t):  # a count the pass knows (COUNT_FORMULATIONS' where_amin)
+    K = d.shape[1]
+    return torch.where(d != t[:, :K], torch.arange(K), K).amin(1)
+
+
+def prep_own(sampled, active, *state):
+    lead = torch.zeros(sampled.shape[0], dtype=torch.long)
+    alive = active.clone()
+    for i in range(sampled.shape[1]):
+        alive = alive & (sampled[:, i] != PLACEHOLDER)
+        lead = lead + alive.long()
+    return own_prep_append(sampled, lead, active, *state)
+
+
+OWN_GREEDY = {
+    "own": _own_greedy(own_matching_prefix, own_prep_append),  # nothing from the package
+    "known_count_own_append": _own_greedy(_known_count, own_prep_append),
+    "own_count_reference_append": _own_greedy(own_matching_prefix, prep_append_ref),
+}
 
 
 # ------------------------------------------------------------------ inputs
@@ -302,6 +376,69 @@ def test_near_miss_is_not_fused():
     assert pm.last_counts["fuse_greedy_accept"] == 0 and pm.fused_ops == []
     want, _ = expected(wrong, args)
     assert_same(out, want)
+
+
+def _branches(args, want) -> set:
+    """Which branches of the contract the greedy inputs `args` reach, read off the op's results `want`."""
+    d, t, active, tail, seq_lens, n_out, max_new, stop_ids, out_buf = args
+    sampled, n_acc, _, _, _, new_n_out, done = want
+    K, L = d.shape[1], out_buf.shape[1]
+    e = new_n_out - n_out  # tokens appended
+    valid = torch.where(active, n_acc + 1, 0)
+    last = sampled.gather(1, (e - 1).clamp(min=0)[:, None])[:, 0]
+    stopped = active & (e > 0) & torch.isin(last, stop_ids[stop_ids != PLACEHOLDER])
+    rows = {"inactive": ~active, "all_accepted": active & (n_acc == K), "some_rejected": active & (n_acc < K),
+            "stop": stopped & done, "budget": active & (e < valid) & ~stopped & done,
+            "buffer_end": active & (n_out + e > L), "continues": active & ~done}
+    return {name for name, r in rows.items() if r.any()}
+
+
+@pytest.mark.parametrize("form", OWN_GREEDY)
+def test_own_formulations_compute_the_op(form):
+    """(a) The independently written formulations compute exactly what the op computes (outputs
+    and the appended buffer) on inputs that reach every branch of the contract."""
+    fn, reached = OWN_GREEDY[form], set()
+    for seed in range(12):
+        B, K = 2 + seed % 5, 1 + seed % 6
+        args = greedy_inputs(B, K, seed=seed)
+        want, want_args = expected(greedy_accept_prepare, args)
+        got, got_args = expected(fn, args)
+        assert_same(got, want)
+        assert_same(got_args, want_args)
+        reached |= _branches(args, want)
+    for seed in range(6):
+        args = prepare_inputs(2 + seed % 4, 1 + seed, seed=seed)
+        want, want_args = expected(prepare_next, args)
+        got, got_args = expected(prep_own, args)
+        assert_same(got, want)
+        assert_same(got_args, want_args)
+    assert reached == {"inactive", "all_accepted", "some_rejected", "stop", "budget", "buffer_end", "continues"}
+
+
+@pytest.mark.parametrize("form", OWN_GREEDY)
+def test_own_formulations_are_left_alone(form):
+    """(b) What the pass does with them: nothing. Matched are exactly the forms that trace to the
+    aten graph of one of the pass's patterns: a count from COUNT_FORMULATIONS (or the kernel
+    file's cumprod) followed by the package's own prep/append (``prep_append_ref``), as step.py
+    writes it with fused=False and as a traced call of the op is on CPU. A pattern is that traced
+    graph, matched node for node (ints, dtypes wildcards first, then every literal re-checked):
+    an equivalent computation written another way -- here the count as a loop, the stops via
+    isin, the tail gathered from the committed stream, the append as index_put per column --
+    traces to other aten ops, so it matches no pattern. Half-known forms (a known count with an
+    own append, an own count with the reference append) match none either: one pattern spans the
+    whole computation, from the draft/target tokens to the appended buffer (its anchor). Matching
+    every equivalent way of writing each piece would take a pattern per combination; the pass
+    recognises what the package itself emits plus the common counts, and leaves the rest alone.
+    Not matched means not fused, never fused wrongly: no spec_graph op in the graph, which
+    computes what eager does."""
+    args = greedy_inputs(4, 3)
+    out, run_args, pm = compile_and_run(OWN_GREEDY[form], args)
+    assert pm.last_counts == {"fuse_greedy_accept": 0, "fuse_prepare_next": 0}, pm.last_fired
+    assert pm.fused_ops == []
+    assert GREEDY_OP not in pm.targets and PREPARE_OP not in pm.targets
+    want, want_args = expected(greedy_accept_prepare, args)
+    assert_same(out, want)
+    assert_same(run_args, want_args)
 
 
 def test_names_and_options():

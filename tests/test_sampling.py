@@ -1,19 +1,32 @@
-"""Lossless sampling: the joint law of the first two generated tokens equals the target's (chi-square),
-and the same test rejects two broken samplers."""
+"""Lossless sampling, tested on the joint law of generated tokens with a chi-square test.
+
+* A near draft (a perturbed copy of the target) accepts often, so every path is sampled: a rejection at
+  each draft position, and all K drafts accepted plus the bonus token. The joint of the first K+2 tokens
+  (the prefill's token, then K+1 from the steps) reaches every draft position and the bonus token; the
+  histogram of accepted counts is asserted to cover 0..K. Run at K=1 and K=2, eager, N-step replay and
+  the compiled step.
+* A far draft (TV >= 0.3 from the target) makes the residual distribution matter at position 0.
+* The same tests reject deliberately broken samplers: always accepting at position 0 or at positions 1..,
+  resampling from p instead of the residual, and drawing the bonus token from the wrong position.
+"""
+import itertools
+
 import numpy as np
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import fake_platform, make_checkpoint, perturbed_copy
 from scipy.stats import chisquare
 
 import spec_graph.step as step_mod
 from spec_graph import SpecDecoder, SpecGraphConfig, platform
-from spec_graph.kernels import PLACEHOLDER, race_sample
+from spec_graph.kernels import PLACEHOLDER, race_sample, rejection_sample_ref
 from spec_graph.sampling import SCAN_BLOCK, cumsum_last, logits_to_probs
 
-V = 8
+V = 6
 PROMPT = [1, 4, 2]
 N = 12000
+P_OK = 0.01
+NEAR_NOISE = 0.1  # per-position acceptance about 0.6: rejections and full acceptance both common
 
 
 def _filtered(logits, temperature, top_k, top_p):
@@ -32,34 +45,61 @@ def _filtered(logits, temperature, top_k, top_p):
     return torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
 
 
-def _joint(path, temperature=1.0, top_k=0, top_p=1.0):
+def _joint(path, n_tokens, temperature=1.0, top_k=0, top_p=1.0):
+    """HF's own law of the first `n_tokens` generated tokens: a V**n_tokens table."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    joint = np.ones(())
+    with torch.no_grad():
+        for n in range(n_tokens):
+            prefixes = list(itertools.product(range(V), repeat=n))
+            logits = m(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+            cond = torch.stack([_filtered(r, temperature, top_k, top_p) for r in logits]).numpy()
+            joint = joint.reshape(-1, 1) * cond  # [V**n, V]
+    return joint.reshape((V,) * n_tokens)
+
+
+def _next_token_law(path):
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        p1 = _filtered(m(torch.tensor([PROMPT])).logits[0, -1], temperature, top_k, top_p)
-        seqs = torch.tensor([PROMPT + [t] for t in range(V)])
-        p2 = torch.stack([_filtered(r, temperature, top_k, top_p) for r in m(seqs).logits[:, -1]])
-    return (p1[:, None] * p2).numpy(), p2
+        return torch.softmax(m(torch.tensor([PROMPT + [t] for t in range(V)])).logits[:, -1].double(), -1)
+
+
+def _ckpt_kw():
+    return dict(vocab_size=V, hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
 def far_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("far")
-    kw = dict(vocab_size=V, hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, eos_token_id=None)
-    target = make_checkpoint(root / "t", seed=3, init_std=0.5, **kw)
-    draft = make_checkpoint(root / "d", seed=11, init_std=0.5, **kw)
+    target = make_checkpoint(root / "t", seed=3, init_std=0.5, **_ckpt_kw())
+    draft = make_checkpoint(root / "d", seed=11, init_std=0.5, **_ckpt_kw())
     return target, draft
 
 
-def _counts(target, draft, K=2, **sampling):
-    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=K, max_batch_size=512,
-                                                                     max_len=16, batch_buckets=(512,)))
-    out = dec.generate([PROMPT] * N, max_new_tokens=2, seed=1234, **sampling)
-    counts = np.zeros((V, V))
+@pytest.fixture(scope="module")
+def near_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("near")
+    target = make_checkpoint(root / "t", seed=3, init_std=0.5, **_ckpt_kw())
+    return target, perturbed_copy(target, root / "d", noise=NEAR_NOISE)
+
+
+def _decoder(target, draft, K, **cfg):
+    cfg = dict(num_speculative_tokens=K, max_batch_size=512, max_len=16, batch_buckets=(512,), **cfg)
+    return SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(**cfg))
+
+
+def _counts(dec, n_tokens, **sampling):
+    """Histogram of the first `n_tokens` generated tokens over N requests, and of accepted counts per step."""
+    out = dec.generate([PROMPT] * N, max_new_tokens=n_tokens, seed=1234, **sampling)
+    counts = np.zeros((V,) * n_tokens)
     for r in out:
-        counts[r.token_ids[0], r.token_ids[1]] += 1
-    return counts
+        counts[tuple(r.token_ids)] += 1
+    accepted = np.bincount([a for r in out for a in r.accepted_counts], minlength=dec.K + 1)
+    return counts, accepted
 
 
 def _pvalue(counts, joint):
@@ -73,19 +113,7 @@ def _pvalue(counts, joint):
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def test_draft_is_far_from_target(far_pair):
-    _, p2 = _joint(far_pair[0])
-    _, q2 = _joint(far_pair[1])
-    tv = 0.5 * (p2 - q2).abs().sum(-1)
-    assert tv.mean() >= 0.3
-
-
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-def test_sampled_joint_equals_target(far_pair, sampling):
-    joint, _ = _joint(far_pair[0], **sampling)
-    assert _pvalue(_counts(*far_pair, **sampling), joint) > 0.01
-
-
+# --------------------------------------------------------------- broken samplers
 def _always_accept(draft_ids, draft_probs, target_probs, seeds, steps, active):
     B, K = draft_ids.shape
     rows = torch.arange(B, device=draft_ids.device)
@@ -96,8 +124,6 @@ def _always_accept(draft_ids, draft_probs, target_probs, seeds, steps, active):
 
 def _resample_from_p(draft_ids, draft_probs, target_probs, seeds, steps, active):
     """Correct acceptance test, but a rejected position is resampled from p, not norm(max(0, p - q))."""
-    from spec_graph.kernels import rejection_sample_ref
-
     sampled, n = rejection_sample_ref(draft_ids, draft_probs, target_probs, seeds, steps, active)
     B, K1 = sampled.shape
     rows = torch.arange(B, device=draft_ids.device)
@@ -107,11 +133,120 @@ def _resample_from_p(draft_ids, draft_probs, target_probs, seeds, steps, active)
     return torch.where(rejected, fix, sampled), n
 
 
+def _always_accept_after_first(draft_ids, draft_probs, target_probs, seeds, steps, active):
+    """Correct at draft position 0; once it is accepted, every later draft is accepted too."""
+    sampled, n = rejection_sample_ref(draft_ids, draft_probs, target_probs, seeds, steps, active)
+    all_in, _ = _always_accept(draft_ids, draft_probs, target_probs, seeds, steps, active)
+    later = (n >= 1)[:, None]
+    return torch.where(later, all_in, sampled), torch.where(n >= 1, draft_ids.shape[1], n)
+
+
+def _bonus_from_wrong_position(draft_ids, draft_probs, target_probs, seeds, steps, active):
+    """Correct except that the bonus token (all K drafts accepted) is drawn from p at position K-1."""
+    B, K = draft_ids.shape
+    sampled, n = rejection_sample_ref(draft_ids, draft_probs, target_probs, seeds, steps, active)
+    rows = torch.arange(B, device=draft_ids.device)
+    wrong = race_sample(target_probs[:, K - 1], seeds, steps, rows, K)
+    bonus = torch.where((n == K) & active, wrong, sampled[:, K])
+    return torch.cat((sampled[:, :K], bonus[:, None]), 1), n
+
+
+# ----------------------------------------------------------------------- tests
+def test_pairs_are_far_and_near(far_pair, near_pair):
+    p = _next_token_law(far_pair[0])
+    tv_far = 0.5 * (p - _next_token_law(far_pair[1])).abs().sum(-1)
+    tv_near = 0.5 * (p - _next_token_law(near_pair[1])).abs().sum(-1)
+    assert tv_far.mean() >= 0.3
+    assert 0.2 <= 1 - tv_near.mean() <= 0.85  # the near draft is accepted often, and rejected often
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_far_draft_joint_of_two_tokens_equals_target(far_pair, sampling):
+    counts, _ = _counts(_decoder(*far_pair, K=2), 2, **sampling)
+    assert _pvalue(counts, _joint(far_pair[0], 2, **sampling)) > P_OK
+
+
 @pytest.mark.parametrize("broken", [_always_accept, _resample_from_p])
-def test_chi_square_rejects_broken_samplers(far_pair, monkeypatch, broken):
-    joint, _ = _joint(far_pair[0])
+def test_far_draft_rejects_broken_samplers(far_pair, monkeypatch, broken):
     monkeypatch.setattr(step_mod, "rejection_sample", broken)
-    assert _pvalue(_counts(*far_pair, temperature=1.0), joint) < 0.01
+    counts, _ = _counts(_decoder(*far_pair, K=2), 2, temperature=1.0)
+    assert _pvalue(counts, _joint(far_pair[0], 2)) < P_OK
+
+
+@pytest.fixture(scope="module")
+def near_joints(near_pair):
+    return {n: _joint(near_pair[0], n) for n in (3, 4)}
+
+
+def _check_near(dec, near_joints, **sampling):
+    """Joint of the first K+2 tokens equals the target's; every accepted count 0..K was sampled."""
+    K = dec.K
+    counts, accepted = _counts(dec, K + 2, temperature=1.0, **sampling)
+    return _pvalue(counts, near_joints[K + 2]), accepted
+
+
+def _every_path(accepted) -> bool:
+    """A rejection at each draft position and the all-accepted (bonus) path were each sampled often."""
+    return bool((accepted > 0.02 * accepted.sum()).all())
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_near_draft_joint_reaches_every_position_and_bonus(near_pair, near_joints, K):
+    p, accepted = _check_near(_decoder(*near_pair, K), near_joints)
+    assert _every_path(accepted), accepted
+    assert p > P_OK
+
+
+@pytest.mark.parametrize("K, broken", [(1, _bonus_from_wrong_position), (2, _bonus_from_wrong_position),
+                                       (2, _always_accept_after_first)])
+def test_near_draft_rejects_broken_samplers(near_pair, near_joints, monkeypatch, K, broken):
+    monkeypatch.setattr(step_mod, "rejection_sample", broken)
+    assert _check_near(_decoder(*near_pair, K), near_joints)[0] < P_OK
+
+
+def _multi_step(near_pair, K, n):
+    dec = _decoder(*near_pair, K, steps_per_graph=n)
+    return SpecDecoder(dec.target, dec.draft, dec.config, dec.tokenizer, dec.eos_token_ids, plat=fake_platform())
+
+
+@pytest.mark.parametrize("broken", [None, _bonus_from_wrong_position])
+def test_near_draft_multi_step_replay(near_pair, near_joints, monkeypatch, broken):
+    """N=3 steps per replay (the recorded eager step through the platform seam): same law, same controls."""
+    if broken is not None:
+        monkeypatch.setattr(step_mod, "rejection_sample", broken)
+    dec = _multi_step(near_pair, 2, 3)
+    dec.compiled = False
+    p, accepted = _check_near(dec, near_joints)
+    assert dec.graphs.graphs
+    if broken is None:
+        assert _every_path(accepted) and p > P_OK
+    else:
+        assert p < P_OK
+
+
+def test_near_draft_compiled_step(near_pair, near_joints):
+    """The step compiled by the spec_graph backend (CPU: inductor, fused prepare_next)."""
+    dec = _decoder(*near_pair, 2, enable_graph=True)
+    assert dec.compiled
+    p, accepted = _check_near(dec, near_joints)
+    assert _every_path(accepted) and p > P_OK
+
+
+def test_samples_depend_on_the_request_not_its_slot(near_pair):
+    """The same seed gives the same samples whatever the number of slots, the queueing order (which slot a
+    request lands in) and the steps per replay: every draw is keyed by the request's own seed and steps."""
+    prompts = [PROMPT, [2, 3], [5, 1, 1, 4], [0], [3, 3, 3], [4, 2]]
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=5, seed=11)
+    runs = []
+    for slots, n in ((8, 1), (1, 1), (3, 1), (2, 3)):
+        cfg = SpecGraphConfig(num_speculative_tokens=2, max_batch_size=slots, max_len=24, steps_per_graph=n)
+        dec = SpecDecoder.from_pretrained(*near_pair, cfg)
+        if n > 1:
+            dec = SpecDecoder(dec.target, dec.draft, dec.config, dec.tokenizer, dec.eos_token_ids, plat=fake_platform())
+            dec.compiled = False
+        runs.append([r.token_ids for r in dec.generate(prompts, **kw)])
+    assert all(r == runs[0] for r in runs[1:]), runs
+    assert len({tuple(t) for t in runs[0]}) == len(prompts)
 
 
 def test_logits_to_probs_matches_independent_filter():

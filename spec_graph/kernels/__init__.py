@@ -4,15 +4,19 @@ The ops (`torch.ops.spec_graph.*`) run the Triton kernel where
 `platform.use_triton(device)` says so and the reference otherwise; both are
 visible to torch.compile and torch.export.
 """
+from .attention import decode_attention, decode_attention_ref
 from .greedy_accept import PLACEHOLDER, greedy_accept_prepare, greedy_accept_prepare_ref
 from .prepare_next import prepare_next, prepare_next_ref
 from .rejection_sample import rejection_sample, rejection_sample_ref
-from .rng import ACCEPT_COL, DRAFT_POS_BASE, hash_uniform, race_sample
+from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sample
 
 __all__ = [
     "ACCEPT_COL",
     "DRAFT_POS_BASE",
     "PLACEHOLDER",
+    "REQUEST_ROW",
+    "decode_attention",
+    "decode_attention_ref",
     "greedy_accept_prepare",
     "greedy_accept_prepare_ref",
     "hash_uniform",

@@ -9,7 +9,8 @@ import torch
 from ._triton import tl, triton
 
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER
-from .rng import (ACCEPT_COL, block_for, hash_uniform, num_programs, race_sample, tl_hash_uniform, tl_race_key,
+from .rng import (_TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, block_for, hash_uniform, num_programs, race_sample,
+                  tl_hash_uniform, tl_race_key,
                   use_kernel, wrap_triton)
 
 MAX_BLOCK_V = 1024  # vocabulary chunk per loop iteration
@@ -22,7 +23,7 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
                              sampled_ptr, num_acc_ptr, B, K, V, BLOCK_K1: tl.constexpr, BLOCK_V: tl.constexpr):
     """Rejection sampling for rows b = pid, pid + nprog, ... (grid-stride).
 
-    Per active row b (u(pos, col) = hash_uniform(seeds[b], steps[b], b, pos, col)):
+    Per active row b (u(pos, col) = hash_uniform(seeds[b], steps[b], REQUEST_ROW, pos, col)):
         j < K: d = draft[b, j], q = draft_probs[b, j, d], p = target_probs[b, j, d]
                accept iff q > 0 and u(j, ACCEPT_COL) * q <= p    (d outside [0, V): reject)
         n = first rejected j, else K;  sampled[b, j] = d_j for j < n;  num_accepted = n
@@ -53,7 +54,7 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
         d_safe = tl.where(ok_id, d, 0)
         q = tl.load(draft_probs_ptr + (b * K + offs) * V + d_safe, mask=ok_id, other=0.0)
         p = tl.load(target_probs_ptr + (b * K1 + offs) * V + d_safe, mask=ok_id, other=0.0)
-        u = tl_hash_uniform(seed, step, b, offs.to(tl.int64), _TL_ACCEPT_COL)
+        u = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, offs.to(tl.int64), _TL_ACCEPT_COL)
         accept = ok_id & (q > 0) & (u * q <= p)
         n = tl.min(tl.where((offs < K) & (accept == 0), offs, K), axis=0)
 
@@ -74,7 +75,7 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
             pt = tl.load(tp_row + offs_v, mask=vm, other=0.0)
             pd = tl.load(dp_row + offs_v, mask=offs_v < vd_lim, other=0.0)
             r = tl.maximum(pt - pd, 0.0)
-            uv = tl_hash_uniform(seed, step, b, n.to(tl.int64), offs_v.to(tl.int64))
+            uv = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, n.to(tl.int64), offs_v.to(tl.int64))
             key_r = tl.where(vm, tl_race_key(r, uv), -1.0)
             key_t = tl.where(vm, tl_race_key(pt, uv), -1.0)
             # strict '>' keeps the earliest chunk on ties; argmax keeps the earliest lane
@@ -100,7 +101,7 @@ def rejection_sample_ref(draft_token_ids, draft_probs, target_probs, seeds, step
     B, K = draft_token_ids.shape
     V = target_probs.shape[-1]
     dev = draft_token_ids.device
-    rows = torch.arange(B, device=dev)
+    rows = torch.full((B,), REQUEST_ROW, dtype=torch.int64, device=dev)
     j = torch.arange(K, device=dev)[None, :]
 
     ok_id = (draft_token_ids >= 0) & (draft_token_ids < V) & active[:, None]

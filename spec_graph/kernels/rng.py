@@ -26,6 +26,9 @@ UNIFORM_SHIFT = 9
 UNIFORM_SCALE = 2.0**-23
 
 ACCEPT_COL = MASK32  # `col` of the acceptance uniform at a draft position
+# `row` of every draw the engine makes. Requests differ by their own seeds, and `step` counts each request's
+# own steps, so a sampled token depends on its request alone, never on the slot or batch it ran in.
+REQUEST_ROW = 0
 DRAFT_POS_BASE = 32  # draft model's own sampling at draft position j uses pos = DRAFT_POS_BASE + j
 
 # Triton sees module globals only as constexprs.
@@ -35,6 +38,7 @@ _TL_MUL1 = tl.constexpr(MUL1)
 _TL_MUL2 = tl.constexpr(MUL2)
 _TL_UNIFORM_SHIFT = tl.constexpr(UNIFORM_SHIFT)
 _TL_UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)
+_TL_REQUEST_ROW = tl.constexpr(REQUEST_ROW)
 
 
 # ---------------------------------------------------------------- torch side
@@ -71,20 +75,18 @@ def hash_uniform(seed, step, row, pos, col) -> torch.Tensor:
     return ((h >> UNIFORM_SHIFT).to(torch.float32) + 0.5) * UNIFORM_SCALE
 
 
-def race_sample(weights: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor,
-                pos) -> torch.Tensor:
+def race_sample(weights: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, rows, pos) -> torch.Tensor:
     """Sample one index per row of `weights` [N, V] (>= 0, unnormalised) -> int64 [N].
 
     Exponential race: argmax_v weights[v] / (-log u_v) with
     u_v = hash_uniform(seed, step, row, pos, v); the winner is distributed as
     weights / sum(weights). First index wins ties (an all-zero row gives 0).
-    `pos` is an int or an int64 [N] tensor.
+    `rows` and `pos` are ints or int64 [N] tensors.
     """
     n, v = weights.shape
     col = torch.arange(v, dtype=torch.int64, device=weights.device)[None, :]
-    if isinstance(pos, torch.Tensor):
-        pos = pos.to(torch.int64).reshape(n, 1)
-    u = hash_uniform(seeds.reshape(n, 1), steps.reshape(n, 1), rows.reshape(n, 1), pos, col)
+    rows, pos = (x.to(torch.int64).reshape(n, 1) if isinstance(x, torch.Tensor) else x for x in (rows, pos))
+    u = hash_uniform(seeds.reshape(n, 1), steps.reshape(n, 1), rows, pos, col)
     return torch.argmax(weights.to(torch.float32) / -torch.log(u), dim=1)
 
 

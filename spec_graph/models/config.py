@@ -1,8 +1,19 @@
-"""Model hyper-parameters read from a Hugging Face ``config.json``."""
+"""Model hyper-parameters read from a Hugging Face ``config.json``.
+
+Every field is checked where it is read: a malformed value (``null``, a string
+where a number belongs, zero heads, a partial ``rope_scaling``) is a
+``ValueError`` naming the file and the field, never a traceback from the
+arithmetic that would use it.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+# The window checks live beside SpecGraphConfig (the runtime and the exported runner import no model code);
+# they are exported here too, next to ModelArgs.window and pair_window, for the export and the vLLM drafter.
+from ..config import beyond_window_warning, check_window  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -10,6 +21,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
 )
+# What Hugging Face's Llama config assumes when config.json states no max_position_embeddings.
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -32,47 +46,47 @@ class ModelArgs:
     qk_norm: bool = False
     # One entry per layer; 0 means full causal attention.
     sliding_windows: tuple[int, ...] = ()
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS
     eos_token_ids: tuple[int, ...] = ()
     dtype: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def window(self) -> int:
+        """Positions the model was built for: ``max_position_embeddings``. Hugging Face configs state the
+        window a rope scaling (llama3) reaches there, so nothing is added for ``rope_scaling``."""
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], where: str = "config.json") -> "ModelArgs":
         archs = cfg.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        if not isinstance(archs, list):
+            raise ValueError(f"{where}: field 'architectures' must be a list of class names such as "
+                             f"[\"LlamaForCausalLM\"], got {archs!r}")
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} in {where}; spec-graph supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            layers = int(cfg["num_hidden_layers"])
-            vocab = int(cfg["vocab_size"])
-            inter = int(cfg["intermediate_size"])
-        except KeyError as e:
-            raise ValueError(f"{where} lacks the required field {e.args[0]!r}") from None
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        get_int = lambda name, **kw: _int_field(cfg, name, where, **kw)  # noqa: E731
+        hidden = get_int("hidden_size")
+        heads = get_int("num_attention_heads")
+        layers = get_int("num_hidden_layers")
+        vocab = get_int("vocab_size")
+        inter = get_int("intermediate_size")
+        kv_heads = get_int("num_key_value_heads", default=heads)
+        head_dim = get_int("head_dim", default=hidden // heads)
         if heads % kv_heads:
             raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"{where}: field 'head_dim' (or hidden_size / num_attention_heads) must be an even "
+                             f"integer >= 2 for rotary embeddings, got {head_dim}")
+        window = get_int("max_position_embeddings", default=DEFAULT_MAX_POSITION_EMBEDDINGS)
 
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or None
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type") or rope.get("type")
-        if scaling:
-            rope_type = scaling.get("rope_type") or scaling.get("type")
-            rope = {**rope, **scaling}
-        if rope_type in (None, "default"):
-            rope_scaling = None
-        elif rope_type == "llama3":
-            rope_scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                   "original_max_position_embeddings")}
-        else:
-            raise ValueError(f"{where}: rope type {rope_type!r} is not supported (default and llama3 are)")
+        theta, rope_scaling = _rope(cfg, where)
 
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias = attention_bias
@@ -82,20 +96,25 @@ class ModelArgs:
         elif arch == "MistralForCausalLM":
             qkv_bias = o_bias = False
 
-        window = cfg.get("sliding_window")
+        sliding = get_int("sliding_window", default=0, minimum=0)
         if arch == "MistralForCausalLM":
-            windows = tuple(int(window or 0) for _ in range(layers))
-        elif cfg.get("use_sliding_window") and window:
+            windows = tuple(sliding for _ in range(layers))
+        elif cfg.get("use_sliding_window") and sliding:
             types = cfg.get("layer_types")
             if not types:
-                mwl = int(cfg.get("max_window_layers", layers))
+                mwl = get_int("max_window_layers", default=layers, minimum=0)
                 types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
-            windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+            elif not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
+                raise ValueError(f"{where}: field 'layer_types' must list one attention type per layer "
+                                 f"(num_hidden_layers={layers}), got {types!r}")
+            windows = tuple(sliding if t == "sliding_attention" else 0 for t in types)
         else:
             windows = tuple(0 for _ in range(layers))
 
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if not all(_is_int(e) and e >= 0 for e in eos_list):
+            raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -105,7 +124,7 @@ class ModelArgs:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=inter,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float_field(cfg, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -114,7 +133,74 @@ class ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=windows,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            eos_token_ids=eos_ids,
+            max_position_embeddings=window,
+            eos_token_ids=tuple(int(e) for e in eos_list),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         )
+
+
+# ---------------------------------------------------------------- field readers
+def _is_int(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+def _int_field(cfg: dict, name: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+    """cfg[name] as an int >= minimum; `default` when absent or null (required when default is None)."""
+    v = cfg.get(name)
+    if v is None:
+        if default is not None:
+            return default
+        if name in cfg:
+            raise ValueError(f"{where}: field {name!r} is null; it must be an integer >= {minimum}")
+        raise ValueError(f"{where} lacks the required field {name!r}")
+    if not _is_int(v) or int(v) < minimum:
+        raise ValueError(f"{where}: field {name!r} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _float_field(cfg: dict, name: str, where: str, default: float, label: str | None = None) -> float:
+    """cfg[name] as a finite float > 0 (`default` when absent or null)."""
+    v = cfg.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}: field {label or name!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 scaling parameters or None) from rope_parameters / rope_scaling / rope_theta."""
+    rope, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    for name, v in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"{where}: field {name!r} must be an object such as {{\"rope_type\": \"llama3\", "
+                             f"\"factor\": 8.0, ...}} or null, got {v!r}")
+    rope = dict(rope or {})
+    theta = _float_field(rope if "rope_theta" in rope else cfg, "rope_theta", where, 10000.0,
+                         "rope_parameters.rope_theta" if "rope_theta" in rope else "rope_theta")
+    src = "rope_parameters"
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if scaling:
+        src = "rope_scaling"
+        rope_type = scaling.get("rope_type") or scaling.get("type")
+        rope = {**rope, **scaling}
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{where}: rope type {rope_type!r} (field {src!r}) is not supported (default and llama3 are)")
+    missing = [k for k in LLAMA3_ROPE_FIELDS if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: field {src!r} (llama3) lacks {', '.join(map(repr, missing))}; a llama3 rope "
+                         f"scaling needs {', '.join(LLAMA3_ROPE_FIELDS)}")
+    out = {k: _float_field(rope, k, where, 0.0, f"{src}.{k}") for k in LLAMA3_ROPE_FIELDS}
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"{where}: field {src!r}: high_freq_factor ({out['high_freq_factor']}) must be greater "
+                         f"than low_freq_factor ({out['low_freq_factor']})")
+    return theta, out
+
+
+# ---------------------------------------------------------------- the context window
+def pair_window(*args: ModelArgs) -> int:
+    """The window a pair shares: the smallest ``max_position_embeddings`` (rope scaling extends nothing: Hugging
+    Face configs state the scaled window there)."""
+    return min(a.window for a in args)

@@ -4,8 +4,12 @@ Module names mirror Hugging Face's, except that q/k/v and gate/up projections
 are stored concatenated (``qkv_proj``, ``gate_up_proj``): fewer, larger matmuls.
 The KV cache is a plain preallocated buffer ``[layers, slots, kv_heads,
 cache_len, head_dim]``: a forward writes its new keys at absolute positions
-with ``index_put_`` (``scatter_`` would make inductor copy the whole cache) and
-attends over the whole buffer with a position mask, so shapes stay static.
+with ``index_put_`` (``scatter_`` would make inductor copy the whole cache).
+Decode and verify forwards (few query positions) attend through the fused
+``spec_graph::decode_attention`` op, whose work follows each row's live length
+(read from ``positions`` on the device); where the Triton kernels do not run
+(CPU), and for prefills, attention covers the whole buffer under a position
+mask. Shapes stay static either way.
 """
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import platform
+from ..kernels import decode_attention
 from .config import ModelArgs
+
+# Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
+# decode and verify steps; a prefill's many rows take the matmul path.
+DECODE_ATTENTION_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +75,7 @@ class Attention(nn.Module):
         self.qkv_split = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
         self.qkv_proj = nn.Linear(h, sum(self.qkv_split), bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=args.o_bias)
+        self.fused_decode = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0  # the kernel's tiles
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
@@ -89,6 +100,12 @@ class Attention(nn.Module):
         idx = (torch.full_like(rows, self.layer), rows, heads, pos)
         k_cache.index_put_(idx, k)
         v_cache.index_put_(idx, v)
+        g = self.n_heads // self.n_kv
+        # a symbolic T (an export's dynamic prefill length) takes the matmul path: no guard on T
+        fused = self.fused_decode and isinstance(T, int) and g * T <= DECODE_ATTENTION_ROWS
+        if fused and platform.use_triton(x.device):
+            out = decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
         kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views, read only
         # Rows 0..B-1 are slots 0..B-1 in the step: a slice reads the cache without a gather copy.
         keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
@@ -100,7 +117,6 @@ class Attention(nn.Module):
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
 
         # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
-        g = self.n_heads // self.n_kv
         qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, self.head_dim)
         scores = (qg @ keys.transpose(-1, -2)).view(B, self.n_kv, g, T, L) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))

@@ -4,7 +4,7 @@ torchair as its custom pass): runs spec-graph's FX passes in order.
     PassManager()                                   # every pass on
     PassManager(enabled={"fuse_prepare_next": False})
     PassManager.names()                             # pass names, in order
-    pm(graph); pm.last_counts                       # {pass name: replacements} of the last run
+    pm(graph); pm.last_counts                       # {pass name: replacements} of the last run (None: none yet)
     pm.last_fired                                   # {pass name: [formulation matched, ...]}
 
 ``uuid()`` combines the enabled passes' uuids (each a hash of its source), so
@@ -19,12 +19,7 @@ from typing import Callable
 
 import torch
 import torch.fx
-
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-except ImportError:  # pragma: no cover - very old torch
-    class CustomGraphPass:  # type: ignore[no-redef]
-        pass
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +58,9 @@ class PassManager(CustomGraphPass):
         self.enabled = {name: bool(enabled.get(name, True)) for name in self.names()}
         self.decompositions = decompositions
         self._passes: dict | None = None
-        self.last_counts: dict[str, int] = {}
+        # None until the manager has run: inductor skips post-grad passes on an FX graph cache hit
+        self.last_counts: dict[str, int] | None = None
         self.last_fired: dict[str, list[str]] = {}
-        self.history: list[dict[str, int]] = []  # last_counts of every run (one per compiled graph)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -86,15 +81,6 @@ class PassManager(CustomGraphPass):
             if counts[name]:
                 log.debug("spec_graph pass %s: %d replacement(s) %s", name, counts[name], fired[name])
         self.last_counts, self.last_fired = counts, fired
-        self.history.append(counts)
-
-    def total_counts(self) -> dict[str, int]:
-        """Replacements per pass summed over every run of this manager."""
-        total = {name: 0 for name in self.passes}
-        for counts in self.history:
-            for name, n in counts.items():
-                total[name] = total.get(name, 0) + n
-        return total
 
     def use_decompositions(self, decompositions: dict | None) -> "PassManager":
         """Retarget (in place) to graphs traced with `decompositions`; returns self."""

@@ -31,8 +31,13 @@ The patches of vLLM and vllm-ascend (each also documented where it is applied be
    validate, and a bad combination (another method, a different draft vocab, a
    draft TP different from the target's) should fail when the config is built,
    not in a worker. How: the original runs first; then ``additional_config``
-   is parsed (unknown ``spec_graph`` keys are refused) and, only when the flag
-   is set, ``config.check_vllm_config`` and vLLM's own draft-TP check run.
+   is parsed (a non-bool flag is refused; with the flag on, unknown or bad
+   ``spec_graph`` settings are refused, with it off the section is ignored
+   with one warning) and, only when the flag is set,
+   ``config.check_vllm_config`` runs (method, vocab, no pipeline or data
+   parallelism). A draft TP unlike the target's is accepted for a draft
+   spec-graph covers (its draft is replicated whole on each rank); vLLM's own
+   draft-TP check runs for a draft that falls back to vLLM's drafter.
    When it can go: when vLLM validates ``additional_config`` through a plugin
    hook.
 
@@ -52,6 +57,21 @@ The patches of vLLM and vllm-ascend (each also documented where it is applied be
    one-shot import hook right after it first runs.
    When it can go: when vllm-ascend lets a plugin choose the drafter class for a
    method (e.g. a proposer registry behind ``get_spec_decode_method``).
+
+4. ``VllmConfig.use_v2_model_runner`` (a property) is wrapped.
+   Why: vLLM 0.32 picks its V2 model runner whenever Triton is importable (a
+   CUDA install, by default). V2 builds its draft-model speculator
+   (``StandaloneARSpeculator``) in ``vllm/v1/worker/gpu/spec_decode`` with no
+   hook for another drafter class, so patch 1 never runs there and the flag
+   would change nothing, silently.
+   How: with the flag on, the property answers False (the V1 runner, whose
+   drafter patch 1 swaps) and logs once why and how to go back; when something
+   forces V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, HiSparse, watermarking) the
+   config check refuses the flag instead, naming the cause. With the flag off
+   the property is vLLM's own.
+   When it can go: when V2 lets a plugin choose the drafter class for
+   ``draft_model`` (then spec-graph's drafter is built there), or when V1 is
+   removed (then this patch must become that V2 drafter).
 
 Besides these, ``proposer.SpecGraphProposer`` only overrides methods of its
 parent class (no patching): it lifts ``_raise_if_padded_drafter_batch_disabled``
@@ -78,12 +98,25 @@ def register() -> None:
     if _state["registered"]:
         return
     _state["registered"] = True
+    _use_vllm_log_handlers()
     _patch_config()
     _patch_when_imported(_RunnerImportHook)
     from . import ascend
 
     if ascend.installed():
         _patch_when_imported(_AscendImportHook)
+
+
+def _use_vllm_log_handlers() -> None:
+    """Print spec-graph's log lines where vLLM prints its own (vLLM configures only its "vllm" logger), so that
+    a server's start-up says which drafter serves it."""
+    vllm_log = logging.getLogger("vllm")
+    if log.handlers or not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(vllm_log.getEffectiveLevel())
 
 
 def _patch_runner(module) -> None:
@@ -168,11 +201,64 @@ def _patch_config() -> None:
     __post_init__._spec_graph = True
     __post_init__.__wrapped__ = original
     VllmConfig.__post_init__ = __post_init__
+    _patch_runner_choice(VllmConfig)
     _state["config_patched"] = True
 
 
+def _patch_runner_choice(config_cls) -> None:
+    # Patch 4 (see the module docstring): with the flag on, vLLM's V1 model runner.
+    original = config_cls.__dict__.get("use_v2_model_runner")
+    if not isinstance(original, property) or getattr(original.fget, "_spec_graph", False):
+        return
+
+    def use_v2_model_runner(self) -> bool:
+        if not _flag_on(self):
+            return original.fget(self)
+        why = _forced_v2(self)
+        if why:
+            raise ValueError(f"additional_config['enable_spec_graph'] needs vLLM's V1 model runner, but {why} "
+                             "forces the V2 runner; remove it, or turn the flag off")
+        if not _state.get("v1_logged") and original.fget(self):  # said only where the flag changes the runner
+            _state["v1_logged"] = True
+            log.info("spec-graph: enable_spec_graph runs this engine on vLLM's V1 model runner, where "
+                     "spec-graph's drafter replaces DraftModelProposer (the V2 runner's draft-model speculator "
+                     "has no hook for it); turn the flag off for the V2 runner")
+        return False
+
+    use_v2_model_runner._spec_graph = True
+    use_v2_model_runner.__wrapped__ = original.fget
+    config_cls.use_v2_model_runner = property(use_v2_model_runner, doc=original.__doc__)
+
+
+def draft_is_covered(spec) -> bool:
+    """Whether spec-graph's own models cover the draft's architecture (else: vLLM's drafter serves it)."""
+    from ..models import SUPPORTED_ARCHITECTURES
+
+    cfg = getattr(spec, "draft_model_config", None)
+    archs = getattr(cfg, "architectures", None) or getattr(getattr(cfg, "hf_config", None), "architectures", None)
+    return bool(archs) and archs[0] in SUPPORTED_ARCHITECTURES
+
+
+def _flag_on(vllm_config) -> bool:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return isinstance(extra, dict) and extra.get("enable_spec_graph") is True
+
+
+def _forced_v2(vllm_config) -> str | None:
+    """What forces vLLM's V2 model runner on this config (None: nothing)."""
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is True:
+        return "VLLM_USE_V2_MODEL_RUNNER=1"
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        return "attention_config.hisparse_config (HiSparse)"
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        return "watermark_config (watermarking)"
+    return None
+
+
 def check_config(vllm_config):
-    """The config-time checks; returns the parsed settings (flag off: nothing is checked beyond the dict)."""
+    """The config-time checks; returns the parsed settings (flag off: only the flag's type is checked)."""
     from types import SimpleNamespace
 
     from .config import check_vllm_config
@@ -181,9 +267,14 @@ def check_config(vllm_config):
     if settings.enabled:
         from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-        # vLLM's own check and message (it would otherwise only fire in the worker).
-        DraftModelProposer._raise_if_draft_tp_mismatch(
-            SimpleNamespace(speculative_config=vllm_config.speculative_config))
+        # spec-graph's draft is replicated whole on every rank (its own model, no collective in the chain), so a
+        # draft TP unlike the target's is fine for it; a draft it does not cover falls back to vLLM's own
+        # drafter, which needs equal TP: vLLM's own check and message then (it would only fire in the worker).
+        if not draft_is_covered(vllm_config.speculative_config):
+            DraftModelProposer._raise_if_draft_tp_mismatch(
+                SimpleNamespace(speculative_config=vllm_config.speculative_config))
+        if hasattr(type(vllm_config), "use_v2_model_runner"):
+            vllm_config.use_v2_model_runner  # noqa: B018 - refuses a config that forces the V2 runner, now
     return settings
 
 

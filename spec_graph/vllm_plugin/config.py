@@ -1,7 +1,10 @@
 """spec-graph's settings inside vLLM's ``additional_config`` (no vLLM import here).
 
 ``additional_config["enable_spec_graph"]`` (bool) turns the plugin on;
-``additional_config["spec_graph"]`` (dict) tunes it. Unknown keys are refused.
+``additional_config["spec_graph"]`` (dict) tunes it. With the flag on, unknown
+keys and bad values are refused. With the flag off (or unset) the section is
+ignored, whatever it holds, with one warning on logger ``spec_graph``: vLLM then
+behaves exactly as without spec-graph. A flag that is not a bool is always refused.
 
 - ``batch_buckets``: padded batch sizes that get a captured draft graph each
   (CUDA/NPU); a decode batch runs in the smallest bucket >= its size, a larger
@@ -14,7 +17,10 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger("spec_graph")
 
 FLAG = "enable_spec_graph"
 SECTION = "spec_graph"
@@ -33,7 +39,11 @@ def _is_int(x) -> bool:
 
 
 def parse(additional_config) -> PluginSettings:
-    """Validate ``additional_config``; raise ValueError naming the offending key."""
+    """Validate ``additional_config``; raise ValueError naming the offending key.
+
+    With the flag off the ``spec_graph`` section is not validated: it is ignored (one warning per distinct
+    section and process), so it cannot change what vLLM does.
+    """
     extra = dict(additional_config or {})
     flag = extra.get(FLAG, False)
     if not isinstance(flag, bool):
@@ -41,6 +51,9 @@ def parse(additional_config) -> PluginSettings:
     section = extra.get(SECTION)
     if section is None:
         return PluginSettings(enabled=flag)
+    if not flag:
+        _warn_ignored(section)
+        return PluginSettings(enabled=False)
     if not isinstance(section, dict):
         raise ValueError(f"additional_config[{SECTION!r}] must be a dict, got {type(section).__name__}")
     unknown = sorted(set(section) - set(KNOWN_KEYS))
@@ -67,6 +80,18 @@ def parse(additional_config) -> PluginSettings:
     return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=steps)
 
 
+_warned_ignored: set[str] = set()  # sections already warned about (parse runs several times per engine)
+
+
+def _warn_ignored(section) -> None:
+    key = repr(section)
+    if key in _warned_ignored:
+        return
+    _warned_ignored.add(key)
+    log.warning("spec-graph: additional_config[%r] is ignored (%s): it takes effect only with "
+                "additional_config[%r] true", SECTION, key if len(key) <= 200 else key[:197] + "...", FLAG)
+
+
 def check_vllm_config(vllm_config) -> PluginSettings:
     """Config-time checks of a VllmConfig with the flag on (duck-typed: vLLM's own objects or stand-ins)."""
     settings = parse(getattr(vllm_config, "additional_config", None))
@@ -77,6 +102,12 @@ def check_vllm_config(vllm_config) -> PluginSettings:
     if method != "draft_model":
         raise ValueError(f"additional_config[{FLAG!r}] needs speculative_config method 'draft_model' "
                          f"(got {method!r}); spec-graph drafts with a separate draft model only")
+    par = getattr(vllm_config, "parallel_config", None)
+    for name, what in (("pipeline_parallel_size", "pipeline parallelism"), ("data_parallel_size", "data parallelism")):
+        size = int(getattr(par, name, 1) or 1)
+        if size > 1:
+            raise ValueError(f"additional_config[{FLAG!r}] does not support {what} yet ({name}={size}): use "
+                             "tensor parallelism, or turn the flag off for vLLM's own drafter")
     target_vocab = spec.target_model_config.get_vocab_size()
     draft_vocab = spec.draft_model_config.get_vocab_size()
     if target_vocab != draft_vocab:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import torch
@@ -312,8 +313,14 @@ class DraftCore:
             return
         empty = {name: torch.zeros(1 if name == "qsl" else 0, dtype=torch.int64, device=self.device)
                  for name in ("tokens", "positions", "qsl", "valid", "num_draft", "next", "slots")}
-        for Bp in sorted({self.buckets[0], self.buckets[-1]}):
+        sizes = sorted({self.buckets[0], self.buckets[-1]})
+        log.info("spec-graph: compiling the draft chain for batch %s (a first start on CPU can take minutes; "
+                 "inductor's on-disk cache makes later starts fast)", " and ".join(map(str, sizes)))
+        t0 = time.perf_counter()
+        for Bp in sizes:
             self._run_compiled((Bp, MIN_SPAN), empty)
+        if self.compile_chain:
+            log.info("spec-graph: draft chain compiled in %.1f s", time.perf_counter() - t0)
 
     def _run_compiled(self, key: tuple[int, int], inputs: dict) -> torch.Tensor | None:
         """The chain compiled by the spec_graph backend, over the static buffers of ``key`` = (padded batch,
@@ -346,7 +353,7 @@ class VllmAdapter:
     """vLLM's ``DraftModelProposer`` contract served by a ``DraftCore`` (mixed into ``SpecGraphProposer``)."""
 
     def __init__(self, vllm_config, device, runner=None):
-        # vLLM's checks (draft TP == target TP, equal vocab sizes) run in the parent with vLLM's messages.
+        # vLLM's checks (equal vocab sizes) run in the parent with vLLM's messages.
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner  # vLLM 0.32's base takes the runner but keeps no reference to it
         self.settings = parse(vllm_config.additional_config)
@@ -354,6 +361,11 @@ class VllmAdapter:
         self.core: DraftCore | None = None
         self.max_slots = vllm_config.scheduler_config.max_num_seqs
         self._pending_counts = None  # (valid count, drafts per row) from prepare_inputs_padded, for propose
+
+    def _raise_if_draft_tp_mismatch(self):
+        # vLLM refuses a draft TP unlike the target's (its ranks would share one draft compile); spec-graph's
+        # draft is its own whole model on every rank, so any draft TP works. The fallback re-checks it.
+        return None
 
     def _raise_if_padded_drafter_batch_disabled(self):
         # vLLM refuses disable_padded_drafter_batch for draft models because its drafter needs padded
@@ -373,6 +385,7 @@ class VllmAdapter:
                 log.warning("spec-graph: %s; drafting with vLLM's own DraftModelProposer instead", e)
                 _warned_fallback = True
             self.fallback = True
+            super()._raise_if_draft_tp_mismatch()
             super()._raise_if_padded_drafter_batch_disabled()
             return super().load_model(target_model)
         K = self.num_speculative_tokens
@@ -390,6 +403,10 @@ class VllmAdapter:
         compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
         self.core = DraftCore(model, K, self.max_slots, self.max_model_len, buckets=self.settings.batch_buckets,
                               compile_chain=compiles)
+        how = ("captured graphs" if self.core.platform.supports_graphs else
+               "a compiled chain" if self.core.compile_chain else "eager forwards")
+        log.info("spec-graph: drafting with SpecGraphProposer: draft %s (%s), K=%d, batch buckets %s, %s on %s",
+                 path, args.architecture, K, list(self.core.buckets), how, self.device)
 
     # The runner wires vLLM's attention machinery into its drafter; spec-graph's draft has none.
     def dummy_run(self, *args, **kwargs):

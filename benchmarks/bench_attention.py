@@ -1,0 +1,89 @@
+"""decode_attention (live-length flash-decoding) vs the masked full-cache attention of models/llama.py.
+
+    python benchmarks/bench_attention.py [--quick]
+
+One attention layer in bf16 with bench_step.py's head shapes (target 32/8 heads, draft 12/4, head_dim 64):
+B in (1, 8); target T=5 (K=4 verify) and T=1, draft T=1 and 2; cache length Lc in (640, 8192, 32768)
+with live lengths (512, 4096, 16384, 32000) that fit. Each op is captured in a CUDA graph (as in the
+step) and timed by triton.testing.do_bench on the replay (L2 flushed between calls; median).
+Bandwidth counts the live K/V bytes only: B * Hkv * live * D * 2 (K and V) * 2 bytes.
+CUDA only; about a minute on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
+from spec_graph.kernels.attention import auto_num_splits  # noqa: E402
+
+MODELS = {"target": (32, 8, 64), "draft": (12, 4, 64)}  # (Hq, Hkv, head_dim), as bench_step.py's pair
+CASES = [("target", 5), ("target", 1), ("draft", 1), ("draft", 2)]
+LENGTHS = [(640, 512), (8192, 512), (8192, 4096), (32768, 512), (32768, 4096), (32768, 16384), (32768, 32000)]
+
+
+def graphed(plat, fn):
+    """fn captured once; returns (replay, output) so the timing sees one graph launch, as in the step."""
+    stream = plat.new_stream()
+    with plat.on_side_stream(stream):
+        for _ in range(2):
+            fn()
+    plat.join_stream(stream)
+    plat.synchronize()
+    graph = plat.new_graph()
+    out = plat.record(graph, fn)
+    plat.synchronize()
+    return (lambda: plat.replay(graph)), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="B=1 target T=5 only")
+    ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) per measurement")
+    a = ap.parse_args()
+    plat = sg_platform.current()
+    if plat.name != "cuda":
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    import triton.testing
+
+    dev, dt = plat.device, torch.bfloat16
+    print(f"# decode_attention on {plat.device_name()}, bf16, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    hdr = (f"{'model':6} {'B':>2} {'T':>2} {'Lc':>6} {'live':>6} {'splits':>6} {'op us':>8} {'ref us':>8} "
+           f"{'speedup':>8} {'op GB/s':>8} {'ref GB/s':>8} {'max|diff|':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    batches = (1,) if a.quick else (1, 8)
+    cases = CASES[:1] if a.quick else CASES
+    for model, T in cases:
+        Hq, Hkv, D = MODELS[model]
+        for B in batches:
+            for Lc, live in LENGTHS:
+                torch.manual_seed(0)
+                q = torch.randn(B, T, Hq, D, device=dev, dtype=dt)
+                k = torch.randn(1, B, Hkv, Lc, D, device=dev, dtype=dt)
+                v = torch.randn_like(k)
+                pos = (live - T + torch.arange(T, device=dev)).clamp(min=0).expand(B, T).contiguous()
+                op, out = graphed(plat, lambda: decode_attention(q, k, v, 0, None, pos))
+                ref, out_ref = graphed(plat, lambda: decode_attention_ref(q, k, v, 0, None, pos))
+                op()
+                ref()
+                plat.synchronize()
+                diff = (out.float() - out_ref.float()).abs().max().item()
+                t_op = triton.testing.do_bench(op, warmup=10, rep=a.rep, return_mode="median")
+                t_ref = triton.testing.do_bench(ref, warmup=10, rep=a.rep, return_mode="median")
+                gbytes = B * Hkv * live * D * 2 * q.element_size() / 1e9
+                print(f"{model:6} {B:>2} {T:>2} {Lc:>6} {live:>6} {auto_num_splits(B, Hkv, Lc, dev):>6} "
+                      f"{t_op * 1e3:>8.1f} {t_ref * 1e3:>8.1f} {t_ref / t_op:>7.1f}x "
+                      f"{gbytes / (t_op / 1e3):>8.0f} {gbytes / (t_ref / 1e3):>8.0f} {diff:>9.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""decode_attention: the Triton kernel against its torch reference, and the reference against llama.py.
+
+Same interpreter arrangement as test_kernels.py: on a CPU machine, if nothing has
+imported triton yet, TRITON_INTERPRET=1 is set for the kernels' import and while
+these tests run; if triton was imported earlier without it, the kernel tests run
+in a fresh process (`test_attention_suite_in_a_fresh_process`), never silently
+skipped. On a GPU machine the same tests run the compiled kernels.
+"""
+import os
+import sys
+
+from spec_graph import platform  # imports torch, not triton
+
+_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
+if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().name == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
+
+_att = importlib.import_module("spec_graph.kernels.attention")
+
+if _ENV_BEFORE is None:
+    os.environ.pop("TRITON_INTERPRET", None)  # kernels are built: the rest of the session keeps its setting
+
+COMPILED = isinstance(_att._decode_attention_kernel, JITFunction)
+INTERPRETER_BUILDS = not COMPILED and not isinstance(tl.min, JITFunction)
+DEV = platform.current().device if (COMPILED and platform.current().name != "cpu") else torch.device("cpu")
+NEEDS_FRESH_PROCESS = DEV.type == "cpu" and not INTERPRETER_BUILDS
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_on_while_testing():
+    if DEV.type == "cpu" and INTERPRETER_BUILDS:
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _ENV_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
+
+
+@contextlib.contextmanager
+def block_n(n):
+    """The kernel's key block set to n (small blocks walk more of the loop), restored afterwards."""
+    saved, _att.BLOCK_N = _att.BLOCK_N, n
+    try:
+        yield
+    finally:
+        _att.BLOCK_N = saved
+
+
+def _require_kernel():
+    if NEEDS_FRESH_PROCESS:
+        pytest.skip("triton was imported before this module: run by test_attention_suite_in_a_fresh_process")
+    assert platform.use_triton(DEV), "kernel tests would compare the reference with itself"
+    assert _att.use_kernel(_att._decode_attention_kernel, torch.zeros(1, device=DEV)), f"no kernel on {DEV}"
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")
+def test_attention_suite_in_a_fresh_process():
+    """Something imported triton before TRITON_INTERPRET=1 could be set: run this module afresh."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = Path(__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
+                       cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert re.search(r"\b\d+ passed", r.stdout), r.stdout[-2000:]
+
+
+def test_triton_path_really_runs():
+    _require_kernel()
+
+
+# ------------------------------------------------------------------ inputs
+def _positions(lives, T, odd=False, gen=None):
+    """[B, T] positions whose max per row is live - 1: consecutive (a verify step), or scattered/repeated."""
+    lives_t = torch.tensor(lives)
+    pos = (lives_t[:, None] - T + torch.arange(T)[None, :]).clamp(min=0)
+    if odd:
+        pos = (torch.rand(len(lives), T, generator=gen) * lives_t[:, None]).long()
+        pos[torch.arange(len(lives)), torch.randint(0, T, (len(lives),), generator=gen)] = lives_t - 1
+    return pos
+
+
+def _build(B, T, Hq, Hkv, D, Lc, n_slots, layers, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(layers, n_slots, Hkv, Lc, D, generator=g).to(dtype)
+    v = torch.randn(layers, n_slots, Hkv, Lc, D, generator=g).to(dtype)
+    return q, k, v, g
+
+
+def _close(a, b, dtype) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a.float(), b.float(), **TOL[dtype])
+
+
+@st.composite
+def attention_case(draw):
+    D = draw(st.sampled_from([16, 32, 64]))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 3, 4]))
+    T = draw(st.integers(1, 6))
+    B = draw(st.integers(1, 3))
+    block = draw(st.sampled_from([16, 32, 64]))
+    Lc = draw(st.integers(max(T, 8), 160))
+    special = [1, block, 2 * block, Lc - 1, Lc]
+    lives = draw(st.lists(st.one_of(st.sampled_from([x for x in special if 1 <= x <= Lc]), st.integers(1, Lc)),
+                          min_size=B, max_size=B))
+    window = draw(st.sampled_from([0, 0, 1, 5, 17, 40, 1000]))
+    splits = draw(st.sampled_from([1, 2, 3, 7, 0]))
+    odd = draw(st.booleans())
+    use_slots = draw(st.booleans())
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(attention_case())
+def test_matches_reference(case):
+    _require_kernel()
+    D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed = case
+    n_slots = B + 2 if use_slots else B
+    q, k, v, g = _build(B, T, Hkv * G, Hkv, D, Lc, n_slots, 2, dtype, seed)
+    pos = _positions(lives, T, odd, g)
+    slots = torch.randperm(n_slots, generator=g)[:B] if use_slots else None
+    args = [x.to(DEV) if isinstance(x, torch.Tensor) else x for x in (q, k, v, 1, slots, pos.to(DEV), window)]
+    with block_n(block):
+        got = decode_attention(*args, num_splits=splits)
+    ref = decode_attention_ref(*args)
+    assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+
+
+def test_off_by_one_live_length_is_caught():
+    """The comparison can fail: the kernel run with every row's live length off by one (either way) differs."""
+    _require_kernel()
+    B, T, Lc = 3, 4, 96
+    q, k, v, _ = _build(B, T, 4, 2, 32, Lc, B, 1, torch.float32, 7)
+    lives = [1 + T, 40, Lc - 1]
+    pos = _positions(lives, T).to(DEV)
+    ref = decode_attention_ref(q.to(DEV), k.to(DEV), v.to(DEV), 0, None, pos)
+    assert _close(decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), 0, None, pos, num_splits=2), ref, torch.float32)
+    last = torch.arange(T, device=DEV) == T - 1
+    for delta in (-1, 1):
+        bad = pos + delta * last  # the last query (and so the live length) moves by one
+        got = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), 0, None, bad, num_splits=2)
+        assert not _close(got, ref, torch.float32), delta
+        assert torch.allclose(got[:, :-1], ref[:, :-1], atol=1e-5, rtol=1e-5)  # only the moved query differs
+
+
+@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_never_reads_outside_the_live_range(window, splits):
+    """NaN everywhere a row must not read (past its live length, before its window, other slots and layers)."""
+    _require_kernel()
+    B, T, Hkv, D, Lc, n_slots = 3, 3, 2, 16, 80, 5
+    q, k, v, _ = _build(B, T, 4, Hkv, D, Lc, n_slots, 2, torch.float32, 11)
+    lives = [T, 37, Lc - 2]  # 37: mid-block
+    pos = _positions(lives, T)
+    slots = torch.tensor([4, 0, 2])
+    ref = decode_attention_ref(q, k, v, 1, slots, pos, window)
+    kpos = torch.arange(Lc)
+    bad_k, bad_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for b in range(B):
+        lo = max(int(pos[b].min()) - window + 1, 0) if window else 0
+        keep = (kpos >= lo) & (kpos < lives[b])
+        bad_k[1, slots[b], :, keep] = k[1, slots[b], :, keep]
+        bad_v[1, slots[b], :, keep] = v[1, slots[b], :, keep]
+    with block_n(16):
+        got = decode_attention(q.to(DEV), bad_k.to(DEV), bad_v.to(DEV), 1, slots.to(DEV), pos.to(DEV), window,
+                               num_splits=splits).cpu()
+    assert torch.isfinite(got).all()
+    assert _close(got, ref, torch.float32)
+
+
+def test_scale_and_fp16():
+    _require_kernel()
+    q, k, v, _ = _build(2, 2, 6, 3, 32, 70, 2, 1, torch.float16, 3)
+    pos = _positions([5, 70], 2).to(DEV)
+    args = [x.to(DEV) for x in (q, k, v)]
+    got = decode_attention(*args, 0, None, pos, scale=0.3, num_splits=3)
+    assert _close(got, decode_attention_ref(*args, 0, None, pos, scale=0.3), torch.float16)
+
+
+# ------------------------------------------------------------ reference == llama.py
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,use_slots", [(0, False), (6, True)])
+def test_reference_is_llama_attention_bitwise(dtype, window, use_slots, monkeypatch):
+    """The CPU path: llama.py's masked attention (no Triton) and the reference agree bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the model takes its masked path on CPU
+    from spec_graph.models.config import ModelArgs
+    from spec_graph.models.llama import Attention, apply_rope, rope_inv_freq
+
+    args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, num_layers=2, num_heads=8,
+                     num_kv_heads=2, head_dim=16, intermediate_size=32, sliding_windows=(0, window))
+    torch.manual_seed(0)
+    attn = Attention(args, layer=1).to(dtype)
+    B, T, Lc = 3, 5, 40
+    x = torch.randn(B, T, 64).to(dtype)
+    pos = _positions([5, 23, 40], T)
+    freqs = pos[..., None].float() * rope_inv_freq(args).float()
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    kc = torch.randn(2, 4, 2, Lc, 16).to(dtype)
+    vc = torch.randn_like(kc)
+    slots = torch.tensor([2, 0, 3]) if use_slots else None
+    want = attn(x, cos, sin, pos, kc, vc, slots)  # writes this step's keys into kc / vc
+    q = attn.qkv_proj(x).split(attn.qkv_split, dim=-1)[0].reshape(B, T, 8, 16)
+    o = decode_attention_ref(apply_rope(q, cos, sin), kc, vc, 1, slots, pos, window)
+    assert torch.equal(attn.o_proj(o.reshape(B, T, -1)), want)
+
+
+# ------------------------------------------------------------ registration / tracing
+def _small():
+    q, k, v, _ = _build(2, 3, 4, 2, 16, 24, 3, 1, torch.float32, 5)
+    return q, k, v, torch.tensor([1, 2]), _positions([7, 24], 3)
+
+
+def test_op_registered_and_functional():
+    schema = str(torch.ops.spec_graph.decode_attention.default._schema)
+    assert "!" not in schema and "Tensor? slots" in schema, schema
+    m = dict(device="meta")
+    out = decode_attention(torch.empty(2, 5, 8, 16, **m), torch.empty(1, 3, 2, 64, 16, **m),
+                           torch.empty(1, 3, 2, 64, 16, **m), 0, None, torch.empty(2, 5, dtype=torch.long, **m))
+    assert out.shape == (2, 5, 8, 16) and out.device.type == "meta"
+
+
+def test_torch_compile_and_export_keep_the_op(monkeypatch):
+    if DEV.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # traced CPU graphs take the torch reference
+    q, k, v, slots, pos = (x.to(DEV) for x in _small())
+
+    def f(q, k, v, slots, pos):
+        return decode_attention(q, k, v, 0, slots, pos, window=4, num_splits=2)
+
+    torch._dynamo.reset()
+    eager = f(q, k, v, slots, pos)
+    backend = "inductor" if DEV.type == "cuda" else "aot_eager"  # inductor launches the kernel itself on CUDA
+    assert torch.allclose(torch.compile(f, fullgraph=True, backend=backend)(q, k, v, slots, pos), eager,
+                          atol=1e-5, rtol=1e-5)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, slots, pos):
+            return f(q, k, v, slots, pos)
+
+    ep = torch.export.export(M(), (q, k, v, slots, pos))
+    assert "spec_graph.decode_attention.default" in {str(n.target) for n in ep.graph.nodes}
+    assert torch.allclose(ep.module()(q, k, v, slots, pos), eager, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_num_splits_uses_static_shapes_only():
+    cpu = torch.device("cpu")
+    assert _att.auto_num_splits(1, 8, 640, cpu) == math.ceil(640 / _att.MIN_SPLIT_KEYS)
+    assert _att.auto_num_splits(1, 8, 32768, cpu) == _att.MAX_SPLITS
+    assert _att.auto_num_splits(4096, 8, 32768, cpu) == 1
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_long_contexts_and_graph_replay(dtype):
+    """Compiled kernel vs reference at Lc up to 32768, then one captured graph replayed at two live lengths."""
+    from spec_graph.capture import GraphSet
+
+    plat = platform.current()
+    dev = plat.device
+    _require_kernel()
+    for (Hq, Hkv, D, Lc, T, lives, slots) in (
+            (32, 8, 64, 32768, 5, [1 + 5, 300, 32768], None),
+            (12, 4, 64, 32768, 1, [1, 4097, 20000], [2, 0, 1]),
+            (32, 8, 128, 8192, 6, [64, 8192], None)):
+        B = len(lives)
+        q, k, v, _ = _build(B, T, Hq, Hkv, D, Lc, B, 1, dtype, 1)
+        q, k, v = q.to(dev), k.to(dev), v.to(dev)
+        s = None if slots is None else torch.tensor(slots, device=dev)
+        for window in (0, 1000):
+            pos = _positions(lives, T).to(dev)
+            for splits in (0, 1, 5):
+                got = decode_attention(q, k, v, 0, s, pos, window, num_splits=splits)
+                ref = decode_attention_ref(q, k, v, 0, s, pos, window)
+                assert _close(got, ref, dtype), (Lc, lives, window, splits, (got.float() - ref.float()).abs().max())
+
+    B, T, Lc = 2, 5, 32768
+    q, k, v, _ = _build(B, T, 32, 8, 64, Lc, B, 1, dtype, 2)
+    q, k, v = q.to(dev), k.to(dev), v.to(dev)
+    pos = _positions([600, 900], T).to(dev)
+    graphs = GraphSet(plat)
+    assert graphs.capture("attn", lambda: decode_attention(q, k, v, 0, None, pos)), graphs.failed
+    for lives in ([700, 31000], [Lc, T]):
+        pos.copy_(_positions(lives, T).to(dev))
+        out = graphs.replay("attn")
+        plat.synchronize()
+        assert _close(out, decode_attention_ref(q, k, v, 0, None, pos), dtype), lives

@@ -1,0 +1,394 @@
+"""Reliability: the context window, argument types, malformed checkpoints, non-finite weights, concurrency.
+
+Each correctness check is paired with the case it must reject (a request past the window, a broken
+sampler, a fabricated token, an unserialized generate).
+"""
+import json
+import logging
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers import hf_greedy, make_checkpoint, perturbed_copy
+
+import spec_graph.step as step_mod
+from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph.config import beyond_window_warning, check_window
+from spec_graph.kernels import PLACEHOLDER, race_sample
+from spec_graph.models import load_model, read_config
+from spec_graph.models.config import pair_window
+
+PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 70], [3]]
+
+
+def _set_config(path, **fields):
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    for k, v in fields.items():
+        if v is _DROP:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    f.write_text(json.dumps(cfg))
+    return path
+
+
+_DROP = object()
+
+
+def _poison(path, tensor: str, rows=None):
+    """Set `tensor` (or its `rows`) of a checkpoint to NaN, in place."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    if rows is None:
+        state[tensor][...] = float("nan")
+    else:
+        state[tensor][rows] = float("nan")
+    save_file(state, str(f), metadata={"format": "pt"})
+    return path
+
+
+def _decoder(target, draft, K=3, **cfg):
+    return SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=K, **cfg))
+
+
+# ---------------------------------------------------------------- 1. the context window
+@pytest.fixture(scope="module")
+def short_pair(tmp_path_factory, tokenizer):
+    """A near pair whose draft's config states a 48-position window (the target's: 512)."""
+    root = tmp_path_factory.mktemp("short")
+    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=tokenizer)
+    draft = _set_config(perturbed_copy(target, root / "d", noise=0.03), max_position_embeddings=48)
+    return target, draft
+
+
+def test_check_window_names_both_numbers():
+    check_window(40, 8, 48)  # exactly fits
+    with pytest.raises(ValueError, match=r"40 tokens; with max_new_tokens=9 it needs 49 positions, past the "
+                                         r"model's window of 48"):
+        check_window(40, 9, 48)
+
+
+def test_window_is_the_smaller_of_the_pair(short_pair):
+    t, d = (read_config(p)[1] for p in short_pair)
+    assert (t.window, d.window, pair_window(t, d)) == (512, 48, 48)
+
+
+def test_default_max_len_stops_at_the_window(short_pair, caplog):
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        dec = _decoder(*short_pair)
+    assert dec.window == 48 and dec.config.max_len == 48
+    assert not [r for r in caplog.records if "window" in r.getMessage()]  # the default warns about nothing
+    assert len(dec.generate([[1] * 40], 8)[0].token_ids) == 8  # 48 positions: fits
+    with pytest.raises(ValueError, match=r"needs 60 positions, past the model's window of 48"):
+        dec.generate([[1] * 40], 20)
+
+
+def test_explicit_max_len_past_the_window_warns_and_runs(short_pair, caplog):
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        dec = _decoder(*short_pair, max_len=100)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "spec_graph"]
+    assert len(msgs) == 1 and "max_len=100 is past the model's window of 48" in msgs[0]
+    assert "no rope scaling" in msgs[0]
+    assert len(dec.generate([[1] * 40], 20)[0].token_ids) == 20  # asked for: runs past the window
+    with pytest.raises(ValueError, match="max_len=100"):  # max_len still bounds the request
+        dec.generate([[1] * 90], 20)
+
+
+def test_window_warning_with_rope_scaling_says_it_counts():
+    msg = beyond_window_warning(9000, 8192, {"factor": 8.0})
+    assert "8192" in msg and "rope scaling already counts" in msg
+    assert beyond_window_warning(8192, 8192, None) is None
+
+
+def test_llama3_rope_scaling_extends_nothing(tmp_path):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    path = make_checkpoint(tmp_path / "m", rope_scaling=rope)
+    args = read_config(path)[1]
+    assert args.rope_scaling is not None and args.window == 512  # max_position_embeddings as stated
+
+
+# ---------------------------------------------------------------- 2. argument types
+@pytest.fixture(scope="module")
+def dec(llama_pair):
+    return _decoder(*llama_pair, max_len=64)
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(temperature=1e300), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=None), "temperature"),
+    (dict(seed="abc"), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids="5"), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(top_k=True), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_p=math.inf), "top_p"),
+    (dict(top_p=None), "top_p"),
+])
+def test_bad_argument_is_a_value_error_naming_it(dec, kw, name):
+    kw = {"max_new_tokens": 4, **kw}
+    with pytest.raises(ValueError, match=name) as e:
+        dec.generate([[1, 2]], **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_edge_arguments_are_accepted(dec):
+    """The control: the valid ends of each range run (numpy integers too)."""
+    out = dec.generate([np.array([1, 2]).tolist(), (3, 4)], np.int64(3), temperature=np.float32(3e38), top_p=1,
+                       top_k=10**30, seed=-(2**70), stop_token_ids=(5,))
+    assert all(len(r.token_ids) == 3 or r.finish_reason == "stop" for r in out)
+    out = dec.generate([[1, 2]], 3, temperature=0, top_p=1e-9, seed=np.int64(7), stop_token_ids=[])
+    assert len(out[0].token_ids) == 3 or out[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw", [dict(num_speculative_tokens=True), dict(max_batch_size=0), dict(max_batch_size=True),
+                                dict(max_len=True), dict(max_len=1.5), dict(steps_per_graph=0)])
+def test_bad_config_is_a_value_error(kw):
+    with pytest.raises(ValueError, match=next(iter(kw)).replace("num_speculative_tokens", "K")):
+        SpecGraphConfig(**kw)
+
+
+@pytest.mark.parametrize("device,needle", [("npu", "torch_npu"), ("npu:0", "torch_npu"), ("tpu", "unsupported device"),
+                                           ("cuda:x", "malformed device"), (3, "device must be")])
+def test_bad_device_names_the_project_message(llama_pair, device, needle):
+    from spec_graph import platform
+
+    if platform._npu_available() and "npu" in str(device):
+        pytest.skip("an NPU is present")
+    with pytest.raises(ValueError, match=needle):
+        _decoder(*llama_pair, device=device)
+
+
+# ---------------------------------------------------------------- 3. malformed config.json / tokenizer.json
+@pytest.mark.parametrize("fields,needle", [
+    (dict(vocab_size=None), "'vocab_size' is null"),
+    (dict(vocab_size=_DROP), "lacks the required field 'vocab_size'"),
+    (dict(hidden_size="abc"), "'hidden_size' must be an integer >= 1, got 'abc'"),
+    (dict(num_attention_heads=0), "'num_attention_heads' must be an integer >= 1, got 0"),
+    (dict(num_hidden_layers=2.5), "'num_hidden_layers' must be an integer"),
+    (dict(intermediate_size=True), "'intermediate_size' must be an integer"),
+    (dict(num_key_value_heads=-1), "'num_key_value_heads' must be an integer"),
+    (dict(max_position_embeddings="long"), "'max_position_embeddings' must be an integer"),
+    (dict(head_dim=15), "'head_dim'.*even"),
+    (dict(rope_scaling="llama3"), "'rope_scaling' must be an object"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16}), "'rope_scaling' \\(llama3\\) lacks 'low_freq_factor'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16}), "'rope_scaling.factor' must be a positive number"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16}), "high_freq_factor .* greater"),
+    (dict(rope_parameters=[1]), "'rope_parameters' must be an object"),
+    (dict(rope_theta=None, rope_parameters={"rope_theta": -1.0}), "'rope_parameters.rope_theta' must be a positive"),
+    (dict(rms_norm_eps="tiny"), "'rms_norm_eps' must be a positive number"),
+    (dict(eos_token_id="</s>"), "'eos_token_id' must be a token id"),
+    (dict(architectures="GPT2LMHeadModel"), "unsupported architecture 'GPT2LMHeadModel'"),
+    (dict(architectures={"a": 1}), "'architectures' must be a list"),
+])
+def test_malformed_config_names_file_and_field(tmp_path, fields, needle):
+    path = _set_config(make_checkpoint(tmp_path / "m"), **fields)
+    with pytest.raises(ValueError, match=needle) as e:
+        load_model(path)
+    assert str(path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_intact_config_still_loads(tmp_path):
+    """The control: the same edits with valid values load (null head_dim / kv heads take their defaults)."""
+    path = _set_config(make_checkpoint(tmp_path / "m"), head_dim=None, num_key_value_heads=None,
+                       hidden_size=64.0, max_position_embeddings=_DROP)
+    args = read_config(path)[1]
+    assert (args.head_dim, args.num_kv_heads, args.window) == (16, 4, 2048)
+
+
+def test_malformed_tokenizer_names_the_file(tmp_path, llama_pair):
+    target, draft = llama_pair
+    bad = perturbed_copy(target, tmp_path / "t", noise=0.0)
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 3}}')
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a valid tokenizer file") as e:
+        _decoder(bad, draft)
+    assert str(bad / "tokenizer.json") in str(e.value) and "\n" not in str(e.value)
+    (bad / "tokenizer.json").unlink()  # the control: without it, token-id prompts run
+    assert len(_decoder(bad, draft, max_len=32).generate([[1, 2]], 3)[0].token_ids) <= 3
+
+
+# ---------------------------------------------------------------- 4. non-finite weights
+@pytest.fixture(scope="module")
+def nan_setup(tmp_path_factory):
+    """A clean target (no EOS), its clean near draft, and the greedy references."""
+    root = tmp_path_factory.mktemp("nan")
+    target = make_checkpoint(root / "t", vocab_size=96, eos_token_id=None)
+    draft = perturbed_copy(target, root / "d", noise=0.03)
+    refs = [hf_greedy(target, p, 12, eos=None) for p in PROMPTS]
+    return root, target, draft, refs
+
+
+def _is_prefix_of(toks, ref) -> bool:
+    return toks == ref[: len(toks)]
+
+
+def test_nan_target_at_prefill_commits_nothing(nan_setup, tmp_path):
+    root, target, draft, refs = nan_setup
+    used = {x for r in refs for x in r} | {x for p in PROMPTS for x in p}
+    poison = next(t for t in range(2, 96) if t not in used)
+    bad = _poison(perturbed_copy(target, tmp_path / "t", noise=0.0), "model.embed_tokens.weight", poison)
+    prompts = [PROMPTS[0], PROMPTS[1][:1] + [poison], PROMPTS[2]]
+    out = _decoder(bad, draft, max_len=64).generate(prompts, 12)
+    assert out[1].finish_reason == "error" and out[1].token_ids == []  # not [argmax of NaN]
+    assert [out[0].token_ids, out[2].token_ids] == [refs[0], refs[2]]
+    assert out.stats.generated_tokens == 24
+    assert out.stats.tokens_per_step * out.stats.request_steps == pytest.approx(24)
+
+
+def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_path):
+    """The target turns NaN once it is fed a token it generates itself: the request keeps a prefix of its clean
+    output that ends at or before that token, and no other token; the other requests are untouched."""
+    root, target, draft, refs = nan_setup
+    ref = refs[0]
+    m = next(i for i in range(3, len(ref)) if ref[i] not in PROMPTS[0] and ref[i] not in ref[:i]
+             and all(ref[i] not in r for r in refs[1:]) and all(ref[i] not in p for p in PROMPTS))
+    bad = _poison(perturbed_copy(target, tmp_path / "t", noise=0.0), "model.embed_tokens.weight", ref[m])
+    out = _decoder(bad, draft, max_len=64).generate(PROMPTS, 12)
+    r = out[0]
+    assert r.finish_reason == "error" and 1 <= len(r.token_ids) <= m + 1 and _is_prefix_of(r.token_ids, ref)
+    assert [o.token_ids for o in out[1:]] == refs[1:]
+    # the negative case of the prefix check: a fabricated last token is caught
+    assert not _is_prefix_of(r.token_ids[:-1] + [(r.token_ids[-1] + 1) % 96], ref)
+
+
+def test_nan_draft_alone_does_not_end_the_request(nan_setup, tmp_path):
+    """Greedy: with an all-NaN draft the output is still the target's greedy output, token for token; the same
+    NaN in the target ends the request (the draft's NaN is not hidden by a NaN-free pair)."""
+    root, target, draft, refs = nan_setup
+    nan_draft = _poison(perturbed_copy(draft, tmp_path / "d", noise=0.0), "model.norm.weight")
+    m = load_model(nan_draft)
+    assert not torch.isfinite(m(torch.tensor([[1, 2]]), torch.arange(2)[None], *m.new_kv_cache(1, 16))).any()
+    out = _decoder(target, nan_draft, max_len=64).generate(PROMPTS, 12)
+    assert [r.token_ids for r in out] == refs and all(r.finish_reason == "length" for r in out)
+    nan_target = _poison(perturbed_copy(target, tmp_path / "t", noise=0.0), "model.norm.weight")
+    out = _decoder(nan_target, draft, max_len=64).generate(PROMPTS, 12)
+    assert all(r.finish_reason == "error" and r.token_ids == [] for r in out)
+
+
+# Sampling with a NaN draft: the joint law of the first three tokens is still the target's.
+V, SAMPLE_PROMPT, N = 6, [1, 4, 2], 12000
+
+
+def _joint(path, n_tokens):
+    import itertools
+
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    joint = np.ones(())
+    with torch.no_grad():
+        for n in range(n_tokens):
+            prefixes = list(itertools.product(range(V), repeat=n))
+            logits = m(torch.tensor([SAMPLE_PROMPT + list(p) for p in prefixes])).logits[:, -1]
+            joint = joint.reshape(-1, 1) * torch.softmax(logits.double(), -1).numpy()
+    return joint.reshape((V,) * n_tokens)
+
+
+def _pvalue(dec, joint, n_tokens):
+    from scipy.stats import chisquare
+
+    out = dec.generate([SAMPLE_PROMPT] * N, max_new_tokens=n_tokens, temperature=1.0, seed=99)
+    assert all(r.finish_reason == "length" for r in out)
+    counts = np.zeros((V,) * n_tokens)
+    for r in out:
+        counts[tuple(r.token_ids)] += 1
+    exp, obs = joint.ravel() * N, counts.ravel()
+    big = exp >= 5
+    obs, exp = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _always_accept(draft_ids, draft_probs, target_probs, seeds, steps, active):
+    B, K = draft_ids.shape
+    bonus = race_sample(target_probs[:, K], seeds, steps, torch.arange(B), K)
+    sampled = torch.cat((draft_ids, bonus[:, None]), 1)
+    return torch.where(active[:, None], sampled, PLACEHOLDER), torch.full((B,), K)
+
+
+@pytest.fixture(scope="module")
+def nan_sampling(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nan_sampling")
+    kw = dict(vocab_size=V, hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, eos_token_id=None,
+              seed=3, init_std=0.5)
+    target = make_checkpoint(root / "t", **kw)
+    draft = _poison(perturbed_copy(target, root / "d", noise=0.1), "model.norm.weight")
+    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=2, max_batch_size=512,
+                                                                     max_len=16, batch_buckets=(512,)))
+    return dec, _joint(target, 3)
+
+
+def test_nan_draft_sampling_keeps_the_target_law(nan_sampling):
+    dec, joint = nan_sampling
+    assert _pvalue(dec, joint, 3) > 0.01
+
+
+def test_nan_draft_sampling_rejects_a_broken_sampler(nan_sampling, monkeypatch):
+    monkeypatch.setattr(step_mod, "rejection_sample", _always_accept)
+    dec, joint = nan_sampling
+    assert _pvalue(dec, joint, 3) < 0.01
+
+
+# ---------------------------------------------------------------- 5. concurrency
+def _concurrent(dec, prompts_a, prompts_b, **kw):
+    """A and B on two threads, with A pausing after its first step until B has made progress (or 0.5 s): without
+    serialization, B's prefill lands in A's slots while A waits."""
+    b_moved, results, errors = threading.Event(), {}, {}
+
+    def a_progress(done, total):
+        b_moved.wait(0.5)
+
+    def run(name, prompts, progress):
+        try:
+            results[name] = dec.generate(prompts, progress=progress, **kw)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors[name] = e
+
+    ta = threading.Thread(target=run, args=("a", prompts_a, a_progress))
+    tb = threading.Thread(target=run, args=("b", prompts_b, lambda d, t: b_moved.set()))
+    ta.start()
+    tb.start()
+    ta.join(60)
+    tb.join(60)
+    assert not ta.is_alive() and not tb.is_alive(), "generate hung"
+    return results, errors
+
+
+def test_concurrent_generate_is_serialized(llama_pair):
+    dec = _decoder(*llama_pair, max_len=64, max_batch_size=4)
+    a, b = PROMPTS[:2], PROMPTS[2:]
+    kw = dict(max_new_tokens=16, temperature=0.8, seed=5)
+    want_a, want_b = dec.generate(a, **kw), dec.generate(b, **kw)
+    results, errors = _concurrent(dec, a, b, **kw)
+    assert not errors
+    assert [r.token_ids for r in results["a"]] == [r.token_ids for r in want_a]
+    assert [r.token_ids for r in results["b"]] == [r.token_ids for r in want_b]
+
+
+def test_unserialized_generate_corrupts_output(llama_pair):
+    """The broken variant: with the lock taken out, the same interleaving changes A's output (or fails)."""
+    import contextlib
+
+    dec = _decoder(*llama_pair, max_len=64, max_batch_size=4)
+    a, b = PROMPTS[:2], PROMPTS[2:]
+    kw = dict(max_new_tokens=16, temperature=0.8, seed=5)
+    want_a = dec.generate(a, **kw)
+    dec._generate_lock = contextlib.nullcontext()
+    results, errors = _concurrent(dec, a, b, **kw)
+    assert errors or [r.token_ids for r in results["a"]] != [r.token_ids for r in want_a]
