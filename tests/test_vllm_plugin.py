@@ -283,7 +283,8 @@ def test_flag_with_triton_present_serves_spec_graphs_drafter(models, monkeypatch
 
 def test_tensor_parallel_2_with_a_replicated_draft(tmp_path, tokenizer):
     """Target TP 2 on two CPU workers, draft TP 1 (which vLLM alone refuses): every rank runs spec-graph's whole
-    draft (full weights, the same checksum) and proposes the same drafts; the greedy tokens are HF's."""
+    draft (full weights, the same checksum) and proposes the same drafts; the greedy tokens are those of the
+    same engine without speculation, and HF's."""
     import json
 
     from spec_graph.models import load_model
@@ -295,11 +296,16 @@ def test_tensor_parallel_2_with_a_replicated_draft(tmp_path, tokenizer):
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc sends the test's functions with cloudpickle
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_tp_script.py"), str(target), str(draft),
-                        json.dumps(prompts)], cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=900)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-4000:]
-    res = json.loads(line[0][len("RESULT "):])
+
+    def run(draft_dir):
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_tp_script.py"), str(target), str(draft_dir),
+                            json.dumps(prompts)], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                           timeout=900)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-4000:]
+        return json.loads(line[0][len("RESULT "):])
+
+    res, plain = run(draft), run("none")
     full = load_model(draft, "float32")
     params = sum(p.numel() for p in full.parameters())
     checksum = float(sum(p.double().sum() for p in full.parameters()))
@@ -308,7 +314,7 @@ def test_tensor_parallel_2_with_a_replicated_draft(tmp_path, tokenizer):
         assert rank["type"] == "SpecGraphProposer" and rank["params"] == params
         assert rank["checksum"] == pytest.approx(checksum, rel=1e-9)
     assert res["drafts"][0] == res["drafts"][1] and len(res["drafts"][0]) > 2
-    assert res["tokens"] == [hf_greedy(target, p, 16, eos=1) for p in prompts]
+    assert res["tokens"] == plain["tokens"] == [hf_greedy(target, p, 16, eos=1) for p in prompts]
     assert 0 < res["accepted"] < res["drafted"]
 
 def test_register_is_idempotent_and_cheap():

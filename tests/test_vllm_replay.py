@@ -84,6 +84,20 @@ def test_cpu_compiled_chain_replay_equals_recorded(fixture):
     assert core.compile_chain and len(used) >= 20 and all(used) and core.graphs is None
 
 
+def test_live_length_attention_needs_no_cache_spans(fixture):
+    """Where decode attention follows each row's live length (the Triton kernel on CUDA/NPU), decode steps attend
+    over the whole cache: one captured graph per padded batch, never one per cache span. Forced here on CPU
+    through the stand-in platform (the masked matmul over the whole cache gives the same tokens)."""
+    from helpers import fake_platform
+
+    core = new_core(fixture, "cpu", buckets=(2, 4), plat=fake_platform())
+    core.live_span = True
+    used = _count_static_runs(core, "_run_captured")
+    _assert_same(replay(fixture, core))
+    assert {L for _, L in core.graphs.graphs} == {core.cache_len} and len(core.graphs.graphs) <= 2
+    assert len(used) >= 20 and all(used)
+
+
 @pytest.mark.gpu
 def test_gpu_captured_replay_equals_cpu(fixture):
     plat = platform.current()

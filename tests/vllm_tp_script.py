@@ -1,7 +1,7 @@
 """Run by tests/test_vllm_plugin.py in a fresh process: target TP 2 (two CPU workers), draft TP 1, flag on.
 
 Prints one line ``RESULT {json}``: each rank's drafter summary, the drafts each rank proposed, the greedy
-tokens and the spec-decode counters. vLLM spawns its workers, hence the ``__main__`` guard."""
+tokens and the spec-decode counters (draft "none": the greedy tokens without speculation). vLLM spawns its workers, hence the ``__main__`` guard."""
 import json, sys
 
 
@@ -35,6 +35,13 @@ if __name__ == "__main__":
     target, draft, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     from vllm import LLM, SamplingParams
 
+    sampling = SamplingParams(temperature=0, max_tokens=16)
+    if draft == "none":  # the same engine without speculation
+        llm = LLM(model=target, enforce_eager=True, dtype="float32", max_model_len=256, max_num_seqs=4,
+                  tensor_parallel_size=2, distributed_executor_backend="mp")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+        sys.exit(0)
     llm = LLM(model=target, enforce_eager=True, dtype="float32", max_model_len=256, max_num_seqs=4,
               tensor_parallel_size=2, distributed_executor_backend="mp",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
@@ -42,8 +49,7 @@ if __name__ == "__main__":
               additional_config={"enable_spec_graph": True}, disable_log_stats=False)
     summary = llm.collective_rpc(drafter_summary)
     llm.collective_rpc(record_drafts)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     m = {x.name: x for x in llm.get_metrics()}
     print("RESULT " + json.dumps({
         "summary": summary, "drafts": llm.collective_rpc(drafts),

@@ -42,6 +42,7 @@ from .. import platform as _platform
 from ..capture import GraphSet
 from ..config import cache_length
 from ..models import load_model, read_config
+from ..models.llama import DECODE_ATTENTION_ROWS
 from .config import parse
 from .kernels import count_valid
 
@@ -95,6 +96,11 @@ class DraftCore:
         self.compiled = None
         self.compile_chain = bool(compile_chain) and not self.platform.supports_graphs
         self._slot_tensor = (None, None)  # (slots, device tensor): steps with the same rows reuse it
+        # Where decode attention runs the live-length kernel (its work follows each row's length, not the
+        # cache's), static steps attend over the whole cache: one graph per padded batch, no cache spans.
+        attn = model.model.layers[0].self_attn
+        self.live_span = (_platform.use_triton(self.device) and attn.fused_decode
+                          and attn.n_heads // attn.n_kv * (self.K + 2) <= DECODE_ATTENTION_ROWS)
 
     # ------------------------------------------------------------------ slots
     def _release(self, live) -> None:
@@ -192,8 +198,12 @@ class DraftCore:
                   "qsl": query_start_loc[: B + 1], "valid": valid_count[:B], "num_draft": num_draft[:B],
                   "next": next_token_ids[:B], "slots": slot_t}
         static = (self.platform.supports_graphs or self.compile_chain) and B and max_q <= K + 1 and K == self.K
-        # Attend over the cache prefix this step can reach, not the whole buffer (static steps: T = K + 2).
-        L = self.cache_span(int(np.max(np.asarray(pos0)[:B])) if B else 0, K + 1 if static else max_q, K)
+        # Attend over the cache prefix this step can reach, not the whole buffer (static steps: T = K + 2),
+        # unless the live-length kernel already reads no more than that.
+        if static and self.live_span:
+            L = self.cache_len
+        else:
+            L = self.cache_span(int(np.max(np.asarray(pos0)[:B])) if B else 0, K + 1 if static else max_q, K)
         if static:
             Bp = next((b for b in self.buckets if b >= B), None)
             if Bp is not None:
