@@ -7,6 +7,7 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_MAX_LEN = 512
 DEVICES = ("cuda", "npu", "cpu")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+VERIFICATIONS = ("token", "block")
 CACHE_ALIGN = 16  # cache positions: rows of attention scores stay 32-byte aligned for the matmul kernels
 
 
@@ -32,6 +33,9 @@ class SpecGraphConfig:
     enable_graph: capture the step in static graphs; None means on where the platform has graphs.
     steps_per_graph: speculative steps per captured graph replay (the host reads once per replay).
     passes: {fusion pass name: bool} to turn spec_graph backend passes on or off.
+    verification: how sampled drafts are verified: "token" (token by token, Leviathan et al. / Chen et al.)
+        or "block" (the drafts judged jointly, Sun et al. 2025: as lossless, never fewer accepted tokens in
+        expectation). Greedy decoding is the same under both.
     """
 
     num_speculative_tokens: int = 4
@@ -43,6 +47,7 @@ class SpecGraphConfig:
     enable_graph: bool | None = None
     steps_per_graph: int = 1
     passes: dict = field(default_factory=dict)
+    verification: str = "token"
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -64,6 +69,8 @@ class SpecGraphConfig:
         self.batch_buckets = buckets
         if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
     @property
     def cache_len(self) -> int:

@@ -132,10 +132,11 @@ class SpecDecoder(DecoderBase):
         fn = self._fns.get(greedy)
         if fn is None:
             draft, target, K, compiled = self.draft, self.target, self.K, self.compiled
+            verification = self.config.verification
 
             def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
                 new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
-                                       greedy, fused=not compiled)
+                                       greedy, fused=not compiled, verification=verification)
                 for k in WRITEBACK:
                     st[k].copy_(new[k])
 

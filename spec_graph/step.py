@@ -24,6 +24,7 @@ from .sampling import logits_to_probs
 
 # Module-level so that tests can swap in deliberately broken samplers.
 rejection_sample = kernels.rejection_sample
+block_verify = kernels.block_verify
 
 STATE_FIELDS = ("tail", "seq_lens", "n_out", "max_new", "active", "error", "seeds", "steps",
                 "temperature", "top_k", "top_p")
@@ -31,7 +32,7 @@ STATE_FIELDS = ("tail", "seq_lens", "n_out", "max_new", "active", "error", "seed
 
 def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: torch.Tensor,
                      acc_log: torch.Tensor, stop_ids: torch.Tensor, K: int, greedy: bool,
-                     fused: bool = True) -> dict:
+                     fused: bool = True, verification: str = "token") -> dict:
     """One speculative step over ``B = state["tail"].shape[0]`` rows.
 
     ``state`` holds ``[B]``-leading tensors (see ``STATE_FIELDS``); the new
@@ -40,6 +41,7 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     updated in place. ``fused=False`` writes acceptance, counting and input
     preparation in their plain-torch reference formulation, which the
     ``spec_graph`` backend's fusion passes turn back into the fused ops.
+    ``verification`` ("token" or "block") picks the sampling rule.
     """
     tail, c, active = state["tail"], state["seq_lens"], state["active"]
     seeds, steps = state["seeds"], state["steps"]
@@ -84,7 +86,8 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
         accept = greedy_accept_prepare if fused else greedy_accept_prepare_ref
         _, num_acc, _, new_tail, new_c, new_n, done = accept(draft_ids, tlogits.argmax(-1), *args)
     else:
-        sampled, _ = rejection_sample(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)
+        verify = block_verify if verification == "block" else rejection_sample
+        sampled, _ = verify(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)
         prep = prepare_next if fused else prepare_next_ref
         num_acc, _, new_tail, new_c, new_n, done = prep(sampled, *args)
 

@@ -232,6 +232,44 @@ def test_near_draft_compiled_step(near_pair, near_joints):
     assert _every_path(accepted) and p > P_OK
 
 
+def _block_always_accept_first(draft_ids, draft_probs, target_probs, seeds, steps, active):
+    """Block verification that keeps at least the first draft of every active row (h_1 forced to 1)."""
+    sampled, tau = step_mod.kernels.block_verify_ref(draft_ids, draft_probs, target_probs, seeds, steps, active)
+    if draft_ids.shape[1] < 2:
+        return sampled, tau
+    forced = active & (tau == 0)
+    redo, n_redo = step_mod.kernels.block_verify_ref(draft_ids[:, 1:], draft_probs[:, 1:], target_probs[:, 1:],
+                                                     seeds, steps, forced)
+    shifted = torch.cat((draft_ids[:, :1], redo), 1)
+    return torch.where(forced[:, None], shifted, sampled), torch.where(forced, n_redo + 1, tau)
+
+
+@pytest.mark.parametrize("broken", [None, _block_always_accept_first, _bonus_from_wrong_position])
+def test_near_draft_block_verification(near_pair, near_joints, monkeypatch, broken):
+    """SpecGraphConfig(verification="block"): the joint of the first K+2 tokens is the target's, every path is
+    sampled, and it accepts at least as many drafts per step as token verification on the same pair; broken
+    rules are rejected by the same test."""
+    if broken is not None:
+        monkeypatch.setattr(step_mod, "block_verify", broken)
+    p, accepted = _check_near(_decoder(*near_pair, 2, verification="block"), near_joints)
+    if broken is not None:
+        assert p < P_OK
+        return
+    assert _every_path(accepted) and p > P_OK
+    _, token_level = _check_near(_decoder(*near_pair, 2), near_joints)
+    mean = lambda h: (h * np.arange(len(h))).sum() / h.sum()  # noqa: E731
+    assert mean(accepted) >= mean(token_level) - 0.01, (accepted, token_level)
+
+
+def test_block_verification_keeps_greedy_output(near_pair):
+    kw = dict(max_new_tokens=12)
+    outs = [[r.token_ids for r in _decoder(*near_pair, 3, verification=v).generate([PROMPT, [2, 5]], **kw)]
+            for v in ("token", "block")]
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="verification must be one of"):
+        SpecGraphConfig(verification="blocks")
+
+
 def test_samples_depend_on_the_request_not_its_slot(near_pair):
     """The same seed gives the same samples whatever the number of slots, the queueing order (which slot a
     request lands in) and the steps per replay: every draw is keyed by the request's own seed and steps."""

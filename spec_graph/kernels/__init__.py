@@ -5,6 +5,7 @@ The ops (`torch.ops.spec_graph.*`) run the Triton kernel where
 visible to torch.compile and torch.export.
 """
 from .attention import decode_attention, decode_attention_ref
+from .block_verify import block_verify, block_verify_ref
 from .greedy_accept import PLACEHOLDER, greedy_accept_prepare, greedy_accept_prepare_ref
 from .prepare_next import prepare_next, prepare_next_ref
 from .rejection_sample import rejection_sample, rejection_sample_ref
@@ -12,6 +13,8 @@ from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sam
 
 __all__ = [
     "ACCEPT_COL",
+    "block_verify",
+    "block_verify_ref",
     "DRAFT_POS_BASE",
     "PLACEHOLDER",
     "REQUEST_ROW",

@@ -19,6 +19,48 @@ _TL_ACCEPT_COL = tl.constexpr(ACCEPT_COL)
 
 
 @triton.jit
+def tl_residual_race(tp_row, dp_row, scale, v_lim, vd_lim, seed, step, pos, BLOCK_V: tl.constexpr):
+    """Token from the race over r_v = max(scale * tp_row[v] - dp_row[v], 0) at `pos` (v < v_lim; dp_row read
+    for v < vd_lim, else 0), or over tp_row where every r_v is 0: one pass over the vocabulary in BLOCK_V
+    chunks. The twin of `residual_race`."""
+    # typed scalars: loop-carried values must keep one type
+    best_r = tl.full([], -2.0, tl.float32)
+    best_t = tl.full([], -2.0, tl.float32)
+    idx_r = tl.full([], 0, tl.int32)
+    idx_t = tl.full([], 0, tl.int32)
+    r_max = tl.full([], 0.0, tl.float32)
+    for v0 in range(0, v_lim, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        vm = offs_v < v_lim
+        pt = tl.load(tp_row + offs_v, mask=vm, other=0.0)
+        pd = tl.load(dp_row + offs_v, mask=offs_v < vd_lim, other=0.0)
+        r = tl.maximum(scale * pt - pd, 0.0)
+        uv = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, pos.to(tl.int64), offs_v.to(tl.int64))
+        key_r = tl.where(vm, tl_race_key(r, uv), -1.0)
+        key_t = tl.where(vm, tl_race_key(pt, uv), -1.0)
+        # strict '>' keeps the earliest chunk on ties; argmax keeps the earliest lane
+        m_r = tl.max(key_r, axis=0)
+        m_t = tl.max(key_t, axis=0)
+        i_r = tl.argmax(key_r, axis=0) + v0
+        i_t = tl.argmax(key_t, axis=0) + v0
+        idx_r = tl.where(m_r > best_r, i_r, idx_r)
+        idx_t = tl.where(m_t > best_t, i_t, idx_t)
+        best_r = tl.maximum(best_r, m_r)
+        best_t = tl.maximum(best_t, m_t)
+        r_max = tl.maximum(r_max, tl.max(r, axis=0))
+    return tl.where(r_max > 0, idx_r, idx_t).to(tl.int64)
+
+
+def residual_race(p_n, q_n, scale, seeds, steps, pos):
+    """Torch twin of `tl_residual_race`: rows of p_n / q_n [B, V] (q_n all 0 where there is no draft row),
+    scale and pos per row ([B] or scalars) -> int64 [B]."""
+    resid = (scale * p_n - q_n).clamp(min=0)
+    tok_resid = race_sample(resid, seeds, steps, REQUEST_ROW, pos)
+    tok_target = race_sample(p_n, seeds, steps, REQUEST_ROW, pos)
+    return torch.where(resid.amax(dim=1) > 0, tok_resid, tok_target)
+
+
+@triton.jit
 def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds_ptr, steps_ptr, active_ptr,
                              sampled_ptr, num_acc_ptr, B, K, V, BLOCK_K1: tl.constexpr, BLOCK_V: tl.constexpr):
     """Rejection sampling for rows b = pid, pid + nprog, ... (grid-stride).
@@ -61,34 +103,8 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
         # resample at n: residual race and plain target race in one pass over V
         v_lim = tl.where(is_active, V, 0)
         vd_lim = tl.where(n < K, v_lim, 0)  # n == K (bonus): no draft row
-        tp_row = target_probs_ptr + (b * K1 + n) * V
-        dp_row = draft_probs_ptr + (b * K + n) * V
-        # typed scalars: loop-carried values must keep one type
-        best_r = tl.full([], -2.0, tl.float32)
-        best_t = tl.full([], -2.0, tl.float32)
-        idx_r = tl.full([], 0, tl.int32)
-        idx_t = tl.full([], 0, tl.int32)
-        r_max = tl.full([], 0.0, tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            vm = offs_v < v_lim
-            pt = tl.load(tp_row + offs_v, mask=vm, other=0.0)
-            pd = tl.load(dp_row + offs_v, mask=offs_v < vd_lim, other=0.0)
-            r = tl.maximum(pt - pd, 0.0)
-            uv = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, n.to(tl.int64), offs_v.to(tl.int64))
-            key_r = tl.where(vm, tl_race_key(r, uv), -1.0)
-            key_t = tl.where(vm, tl_race_key(pt, uv), -1.0)
-            # strict '>' keeps the earliest chunk on ties; argmax keeps the earliest lane
-            m_r = tl.max(key_r, axis=0)
-            m_t = tl.max(key_t, axis=0)
-            i_r = tl.argmax(key_r, axis=0) + v0
-            i_t = tl.argmax(key_t, axis=0) + v0
-            idx_r = tl.where(m_r > best_r, i_r, idx_r)
-            idx_t = tl.where(m_t > best_t, i_t, idx_t)
-            best_r = tl.maximum(best_r, m_r)
-            best_t = tl.maximum(best_t, m_t)
-            r_max = tl.maximum(r_max, tl.max(r, axis=0))
-        token = tl.where(r_max > 0, idx_r, idx_t).to(tl.int64)
+        token = tl_residual_race(target_probs_ptr + (b * K1 + n) * V, draft_probs_ptr + (b * K + n) * V, 1.0,
+                                 v_lim, vd_lim, seed, step, n, BLOCK_V)
 
         sampled = tl.where(offs < n, d, tl.where(offs == n, token, _TL_PLACEHOLDER))
         sampled = tl.where(is_active, sampled, _TL_PLACEHOLDER)
@@ -116,11 +132,8 @@ def rejection_sample_ref(draft_token_ids, draft_probs, target_probs, seeds, step
     n_d = n.clamp(max=K - 1)
     p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]
     q_n = draft_probs.gather(1, n_d[:, None, None].expand(B, 1, V))[:, 0]
-    resid = (p_n - q_n).clamp(min=0)
-    tok_resid = race_sample(resid, seeds, steps, rows, n)
-    tok_target = race_sample(p_n, seeds, steps, rows, n)
-    rejected_tok = torch.where(resid.amax(dim=1) > 0, tok_resid, tok_target)
-    token = torch.where(n < K, rejected_tok, tok_target)  # n == K: bonus token from the target
+    q_n = torch.where((n < K)[:, None], q_n, torch.zeros_like(q_n))  # n == K: the bonus token, from the target
+    token = residual_race(p_n, q_n, 1.0, seeds, steps, n)
 
     jj = torch.arange(K + 1, device=dev)[None, :]
     d_pad = torch.cat((draft_token_ids, torch.full_like(draft_token_ids[:, :1], PLACEHOLDER)), dim=1)
