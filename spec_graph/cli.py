@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for torch (default: $OMP_NUM_THREADS when set, else one per physical core "
                         "this process may use, less one, as vLLM's CPU backend does)")
     g.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or stats line (warnings and errors remain)")
 
     e = sub.add_parser("export", help="write a self-contained .pt2 of the prefill and the step (AOTInductor)")
     e.add_argument("--target", help="target HF checkpoint directory (default: the embedded pair)")
@@ -162,7 +162,7 @@ class _Progress:
         self.last, self.drawn = now, True
         width = 30
         fill = int(width * done / total) if total else width
-        rate = done / (now - self.t0)
+        rate = done / max(now - self.t0, 1e-9)
         self.stream.write(f"\r[spec-graph] [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens "
                           f"{rate:.1f} tok/s")
         self.stream.flush()
@@ -241,8 +241,9 @@ def _generate(a) -> int:
                 print(" ".join(map(str, r.token_ids)))
             else:  # text prompts are echoed, so the completion reads in context
                 print((prompts[i] if isinstance(prompts[i], str) else "") + r.text)
-        print(f"[spec-graph] K={a.k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
-              f"steps={s.steps} tokens={s.generated_tokens} time={s.wall_time_s:.2f}s", file=sys.stderr)
+        if not a.quiet:
+            print(f"[spec-graph] K={a.k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
+                  f"steps={s.steps} tokens={s.generated_tokens} time={s.wall_time_s:.2f}s", file=sys.stderr)
     failed = [i for i, r in enumerate(out) if r.finish_reason == "error"]
     if failed:
         kept = ", ".join(str(len(out[i].token_ids)) for i in failed)
@@ -254,7 +255,10 @@ def _generate(a) -> int:
 
 
 def _export(a) -> int:
+    from .config import check_device
     from .export import export_pair
+
+    check_device(a.device)
 
     target, draft = _pair(a)
     export_pair(target, draft, a.output, a.k, a.batch_sizes, a.max_len, a.dtype, a.device, progress=not a.quiet)
@@ -307,7 +311,8 @@ def vllm_status(timeout: float = 120.0, env: dict | None = None) -> tuple[str, s
     if r.returncode == 0 and found:
         return ("not installed", None) if found[-1] == "none" else (found[-1], None)
     if "Device string must not be empty" in r.stderr:
-        return "installed (CUDA build)", f"this vLLM is a CUDA build and does not import on a CPU-only machine: {VLLM_CPU_FIX}"
+        return ("installed (CUDA build)",
+                f"this vLLM is a CUDA build and does not import on a CPU-only machine: {VLLM_CPU_FIX}")
     lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
     return "installed", f"vllm does not import ({lines[-1] if lines else f'exit code {r.returncode}'})"
 

@@ -13,10 +13,16 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def run_cli(capsys, *argv):
+    import torch
+
+    threads = torch.get_num_threads()  # generate sets torch's threads for its process: not for the tests after
     try:
         code = main(list(argv))
     except SystemExit as e:  # argparse's own errors
         code = e.code
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -73,6 +79,7 @@ def test_explicit_pair(capsys, llama_pair):
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "--prompt", "x", "--threads", "0"], "--threads"),
     (["generate", "--prompt", "x", "--device", "npu"], "torch_npu"),
+    (["export", "--device", "npu", "-o", "never.pt2"], "torch_npu"),
     (["generate", "--prompt", "x", "--device", "tpu"], "unsupported device"),
     (["generate", "--prompt", "x", "--temperature", "inf"], "temperature"),
     (["generate", "--prompt", "x", "--top-p", "nan"], "top_p"),
@@ -323,6 +330,7 @@ def test_progress_bar(capsys, monkeypatch, flags, bar):
     code = main(["generate", "--prompt-ids", "100,101,102", "--max-new-tokens", "20", *flags])
     assert code == 0
     assert ("tokens" in tty.text and "/20 tokens" in tty.text and tty.text.count("\r\033[K") == 1) == bar
+    assert ("acceptance=" in tty.text) == (not flags)  # --quiet drops the stats line too; --json has it in JSON
 
 
 def test_no_progress_bar_off_a_terminal(capsys, monkeypatch):

@@ -84,7 +84,37 @@ def test_draft_equal_to_target_accepts_everything(llama_pair):
     out = decoder(target, target, 4).generate(PROMPTS, max_new_tokens=25)
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.acceptance_rate_per_position == [1.0] * 4
-    assert out.stats.tokens_per_step == 5.0
+    s = out.stats
+    assert s.tokens_per_step == pytest.approx(s.generated_tokens / s.request_steps)
+
+
+def test_tokens_per_step_counts_the_prefill(tmp_path):
+    """Without EOS and with every draft accepted, 21 tokens are the prefill's and 4 steps of 5: 21 / 5 per
+    request-step. The old definition (accepted + 1 per step, the prefill left out) says 5, and 5 x 4 steps is
+    not 21."""
+    tgt = make_checkpoint(tmp_path / "t", vocab_size=96, eos_token_id=None)
+    out = decoder(tgt, tgt, 4).generate(PROMPTS, max_new_tokens=21)
+    s = out.stats
+    assert all(r.accepted_counts == [4] * 4 for r in out)
+    assert (s.request_steps, s.generated_tokens, s.steps) == (5 * len(PROMPTS), 21 * len(PROMPTS), 4)
+    assert s.tokens_per_step == pytest.approx(21 / 5)
+    counts = [a for r in out for a in r.accepted_counts]
+    old = (sum(counts) + len(counts)) / len(counts)
+    assert old == 5.0 and old * s.steps != 21
+
+
+def test_tokens_per_step_adds_up(llama_pair):
+    """tokens_per_step x request_steps == generated_tokens, with prompts queued, stopped early and cut by
+    max_new_tokens; the old definition (accepted + 1 per step, the prefill left out) does not add up."""
+    target, draft = llama_pair
+    out = decoder(target, draft, 3, max_batch_size=2, batch_buckets=(1, 2)).generate(PROMPTS, max_new_tokens=17)
+    s = out.stats
+    assert s.generated_tokens == sum(len(r.token_ids) for r in out)
+    assert s.request_steps == sum(len(r.accepted_counts) + 1 for r in out)
+    assert s.tokens_per_step * s.request_steps == pytest.approx(s.generated_tokens)
+    one = decoder(target, draft, 3).generate([PROMPTS[2]], max_new_tokens=17)
+    assert one.stats.request_steps == one.stats.steps + 1
+    assert one.stats.tokens_per_step * (one.stats.steps + 1) == pytest.approx(len(one[0].token_ids))
 
 
 def _independent_greedy_counts(target, draft, prompt, max_new, K):
@@ -171,6 +201,7 @@ def test_nan_logits_fail_one_request_only(tmp_path, references):
     prompts = [PROMPTS[0], bad, PROMPTS[1], PROMPTS[3]]
     out = decoder(tgt, tgt, 3, max_batch_size=2, batch_buckets=(2,)).generate(prompts, max_new_tokens=12)
     assert out[1].finish_reason == "error"
+    assert out[1].token_ids == []  # its prefill was NaN: no made-up token (the argmax of NaN logits)
     assert [out[i].token_ids for i in (0, 2, 3)] == [clean[0], clean[1], clean[3]]
 
 

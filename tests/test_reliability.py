@@ -1,12 +1,11 @@
-"""Reliability: the context window, argument types, malformed checkpoints, non-finite weights, concurrency.
+"""Reliability: the context window, argument types, malformed checkpoints, non-finite weights.
 
 Each correctness check is paired with the case it must reject (a request past the window, a broken
-sampler, a fabricated token, an unserialized generate).
+sampler, a fabricated token). Concurrency and the fuzzed argument space: tests/test_fuzz.py.
 """
 import json
 import logging
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -186,7 +185,8 @@ def test_bad_device_names_the_project_message(llama_pair, device, needle):
     (dict(head_dim=15), "'head_dim'.*even"),
     (dict(rope_scaling="llama3"), "'rope_scaling' must be an object"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 16}), "'rope_scaling' \\(llama3\\) lacks 'low_freq_factor'"),
+                        "original_max_position_embeddings": 16}),
+     "'rope_scaling' \\(llama3\\) lacks 'low_freq_factor'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 16}), "'rope_scaling.factor' must be a positive number"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
@@ -283,7 +283,7 @@ def test_nan_draft_alone_does_not_end_the_request(nan_setup, tmp_path):
 
 
 # Sampling with a NaN draft: the joint law of the first three tokens is still the target's.
-V, SAMPLE_PROMPT, N = 6, [1, 4, 2], 12000
+V, SAMPLE_PROMPT, N = 6, [1, 4, 2], 6000
 
 
 def _joint(path, n_tokens):
@@ -343,52 +343,3 @@ def test_nan_draft_sampling_rejects_a_broken_sampler(nan_sampling, monkeypatch):
     monkeypatch.setattr(step_mod, "rejection_sample", _always_accept)
     dec, joint = nan_sampling
     assert _pvalue(dec, joint, 3) < 0.01
-
-
-# ---------------------------------------------------------------- 5. concurrency
-def _concurrent(dec, prompts_a, prompts_b, **kw):
-    """A and B on two threads, with A pausing after its first step until B has made progress (or 0.5 s): without
-    serialization, B's prefill lands in A's slots while A waits."""
-    b_moved, results, errors = threading.Event(), {}, {}
-
-    def a_progress(done, total):
-        b_moved.wait(0.5)
-
-    def run(name, prompts, progress):
-        try:
-            results[name] = dec.generate(prompts, progress=progress, **kw)
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            errors[name] = e
-
-    ta = threading.Thread(target=run, args=("a", prompts_a, a_progress))
-    tb = threading.Thread(target=run, args=("b", prompts_b, lambda d, t: b_moved.set()))
-    ta.start()
-    tb.start()
-    ta.join(60)
-    tb.join(60)
-    assert not ta.is_alive() and not tb.is_alive(), "generate hung"
-    return results, errors
-
-
-def test_concurrent_generate_is_serialized(llama_pair):
-    dec = _decoder(*llama_pair, max_len=64, max_batch_size=4)
-    a, b = PROMPTS[:2], PROMPTS[2:]
-    kw = dict(max_new_tokens=16, temperature=0.8, seed=5)
-    want_a, want_b = dec.generate(a, **kw), dec.generate(b, **kw)
-    results, errors = _concurrent(dec, a, b, **kw)
-    assert not errors
-    assert [r.token_ids for r in results["a"]] == [r.token_ids for r in want_a]
-    assert [r.token_ids for r in results["b"]] == [r.token_ids for r in want_b]
-
-
-def test_unserialized_generate_corrupts_output(llama_pair):
-    """The broken variant: with the lock taken out, the same interleaving changes A's output (or fails)."""
-    import contextlib
-
-    dec = _decoder(*llama_pair, max_len=64, max_batch_size=4)
-    a, b = PROMPTS[:2], PROMPTS[2:]
-    kw = dict(max_new_tokens=16, temperature=0.8, seed=5)
-    want_a = dec.generate(a, **kw)
-    dec._generate_lock = contextlib.nullcontext()
-    results, errors = _concurrent(dec, a, b, **kw)
-    assert errors or [r.token_ids for r in results["a"]] != [r.token_ids for r in want_a]
