@@ -481,6 +481,19 @@ def test_unknown_setting_is_refused_at_config_time(models):
         _llm(target, draft, flag=True, additional={"spec_graph": {"steps_per_graph": 2}})
 
 
+def test_max_model_len_past_the_drafts_window_is_refused(models, tmp_path, tokenizer):
+    """The draft was trained on 128 positions and the engine serves 256: refused, naming both numbers."""
+    import json
+
+    target, _ = models
+    short = _ckpt(tmp_path / "short", tokenizer)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 128
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"max_model_len=256 is past the draft's window of 128 positions"):
+        _llm(target, short, flag=True)
+
+
 def test_cache_that_does_not_fit_is_refused(models, monkeypatch, spec_graph_drafts_only):
     from spec_graph.vllm_plugin import proposer
 

@@ -399,6 +399,11 @@ class VllmAdapter:
             super()._raise_if_padded_drafter_batch_disabled()
             return super().load_model(target_model)
         K = self.num_speculative_tokens
+        if self.max_model_len > args.window:
+            raise ValueError(
+                f"spec-graph: max_model_len={self.max_model_len} is past the draft's window of {args.window} "
+                f"positions (max_position_embeddings in {path}/config.json): lower --max-model-len to "
+                f"{args.window} or use a draft with a longer window")
         slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = 2 * args.num_layers * slots * args.num_kv_heads * cache_len * args.head_dim * itemsize
