@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads for torch (default: $OMP_NUM_THREADS when set, else one per physical core "
                         "this process may use, less one, as vLLM's CPU backend does)")
+    g.add_argument("--verification", choices=("token", "block"), default=None,
+                   help="how sampled drafts are verified: token by token (default) or as a block (never fewer "
+                        "accepted drafts); greedy output is the same")
     g.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     g.add_argument("--quiet", action="store_true", help="no progress bar or stats line (warnings and errors remain)")
 
@@ -100,9 +103,10 @@ def _load_exported(a):
     from .export import load_exported
 
     fixed = [f for f, v in (("--target", a.target), ("--draft", a.draft), ("-k", a.k), ("--max-len", a.max_len),
-                            ("--dtype", a.dtype)) if v is not None]
+                            ("--dtype", a.dtype), ("--verification", a.verification)) if v is not None]
     if fixed:
-        raise ValueError(f"with --exported the package fixes the models, K, max_len and dtype: drop {', '.join(fixed)}")
+        raise ValueError(f"with --exported the package fixes the models, K, max_len, dtype and the (token) "
+                         f"verification: drop {', '.join(fixed)}")
     return load_exported(a.exported, device=a.device, max_batch_size=a.max_batch_size)
 
 
@@ -216,7 +220,8 @@ def _generate(a) -> int:
                       "its acceptance and text degrade", file=sys.stderr)
         cfg = SpecGraphConfig(num_speculative_tokens=a.k,
                               max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,
-                              max_len=a.max_len, dtype=a.dtype or "auto", device=a.device)
+                              max_len=a.max_len, dtype=a.dtype or "auto", device=a.device,
+                              verification=a.verification or "token")
         dec = SpecDecoder.from_pretrained(target, draft, cfg)
     bar = _Progress(enabled=not (a.json or a.quiet))
     try:

@@ -60,6 +60,17 @@ def test_generate_json_shape(capsys):
     assert 0 <= obj["stats"]["acceptance_rate"] <= 1 and obj["stats"]["steps"] > 0
 
 
+def test_verification_flag(capsys):
+    """--verification block: greedy output unchanged; sampling runs and the flag is checked."""
+    base = ["generate", "--prompt-ids", "100,101,102,32", "--json", "--max-new-tokens", "16"]
+    outs = [json.loads(run_cli(capsys, *base, *extra)[1])["outputs"][0]["token_ids"]
+            for extra in ([], ["--verification", "block"])]
+    assert outs[0] == outs[1]
+    code, out, _ = run_cli(capsys, *base, "--verification", "block", "--temperature", "0.8", "--seed", "1")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["token_ids"]) == 16
+    assert run_cli(capsys, *base, "--verification", "joint")[0] == 2
+
+
 def test_explicit_pair(capsys, llama_pair):
     t, d = llama_pair
     code, out, _ = run_cli(capsys, "generate", "--target", str(t), "--draft", str(d), "--prompt-ids", "5,6,7",
