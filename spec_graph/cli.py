@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     e.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found); the package runs there only")
     e.add_argument("-o", "--output", required=True, help="the package to write (e.g. pair.pt2)")
+    e.add_argument("--sampling", action="store_true",
+                   help="also export the sampling step (temperature > 0); without it the package is greedy only")
     e.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 
     sub.add_parser("info", help="show versions, the platform found, and whether graphs are available")
@@ -261,12 +263,18 @@ def _generate(a) -> int:
 
 def _export(a) -> int:
     from .config import check_device
-    from .export import export_pair
+    from .export import ExportError, check_output_path, export_pair
 
     check_device(a.device)
+    try:  # before any work: a bad -o would otherwise fail only after the whole compile
+        check_output_path(a.output)
+    except ExportError as e:
+        print(f"spec-graph: error: {e}", file=sys.stderr)
+        return 2
 
     target, draft = _pair(a)
-    export_pair(target, draft, a.output, a.k, a.batch_sizes, a.max_len, a.dtype, a.device, progress=not a.quiet)
+    export_pair(target, draft, a.output, a.k, a.batch_sizes, a.max_len, a.dtype, a.device, progress=not a.quiet,
+                sampling=a.sampling)
     return 0
 
 

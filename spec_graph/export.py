@@ -4,14 +4,20 @@ The package is one zip file (conventionally ``.pt2``) holding:
 
 - ``metadata.json``: the format marker, K, the batch sizes, max_len, dtype,
   device, eos ids, vocab size, the KV-cache shapes, the weight names in call
-  order, a sha256 of each model's config.json and weights, and the spec-graph
-  and torch versions it was built with;
+  order, the steps it holds (``steps``: mode -> batch size -> artifact), a
+  sha256 of every other member (``sha256``, checked before anything is
+  loaded), a sha256 of each model's config.json and weights, the seconds each
+  artifact took to build, and the spec-graph and torch versions it was built with;
 - ``weights.safetensors``: both models' weights, stored ONCE;
-- ``aoti/prefill.pt2`` and ``aoti/step_{greedy,sample}_b{B}.pt2``: AOTInductor
-  packages (``torch._inductor.aoti_compile_and_package``, generated C++ sources
-  emptied: loading needs only the compiled library) with NO constants:
+- ``aoti/prefill.pt2``, ``aoti/step_greedy.pt2`` and, exported with
+  ``sampling=True`` (``--sampling``), ``aoti/step_sample.pt2``: AOTInductor
+  packages (``torch._inductor.aoti_compile_and_package``, generated C++
+  sources emptied: loading needs only the compiled library) with NO constants:
   the weights are inputs of every exported function (``torch.func.functional_call``
-  over a flat tuple), so every bucket and the prefill share the one weights file;
+  over a flat tuple), so every artifact shares the one weights file. A step's
+  batch dimension is symbolic (1..rows), so one artifact serves every exported
+  batch size; where torch cannot export it so, the step is exported once per
+  batch size instead (``step_{mode}_b{B}``), and ``steps`` says which;
 - ``tokenizer.json`` when the target has one.
 
 Runner contract (what ``load_exported`` does and any other runner must do):
@@ -34,21 +40,25 @@ logits).
   ``stop_ids [64]`` int64 padded with -1. One speculative step, exactly
   ``step.speculative_step`` with the fused ``spec_graph::`` ops (on CUDA their
   Triton kernels are compiled into the artifact; on CPU they lower to their
-  torch references).
+  torch references); sampled drafts are verified token by token.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import logging
+import numbers
 import os
 import struct
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -58,19 +68,30 @@ from .runtime import WRITEBACK, DecoderBase
 from .step import STATE_FIELDS
 
 FORMAT = "spec-graph-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one step artifact per mode (dynamic batch), optional sampling step, sha256 of every member
 META, WEIGHTS, TOKENIZER = "metadata.json", "weights.safetensors", "tokenizer.json"
+MODES = ("greedy", "sample")  # the step variants, by their artifact names (step_greedy, step_sample)
 # Line tables only help profilers; without them each artifact's .so is about a third the size.
 # Older torch (2.11) lacks the option, and AOTInductor refuses keys it does not know.
 _WANTED_INDUCTOR_CONFIGS = {"aot_inductor.enable_line_tables": False}
+# CPU exports only. Inductor inlines a pointwise computation of up to realize_opcount_threshold ops (default 30)
+# into each of its consumers; the sampling step's counter-based hash (kernels/rng.py) then makes the C++ codegen
+# trace huge loop bodies again and again: 170 s of Python codegen for the tiny test pair's sampling step, 20 s
+# at 16 (greedy step and prefill unchanged). CUDA exports keep the default (their kernels' fusion is untested
+# with it).
+_WANTED_CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 16}
+log = logging.getLogger("spec_graph")
 
 
-def _inductor_configs() -> dict:
-    """The wanted AOTInductor options this torch knows (an unknown key is an error there)."""
+def _inductor_configs(device_type: str | None = None) -> dict:
+    """The wanted AOTInductor options for ``device_type`` that this torch knows (an unknown key is an error there)."""
     from torch._inductor import config
 
+    wanted = dict(_WANTED_INDUCTOR_CONFIGS)
+    if device_type == "cpu":
+        wanted.update(_WANTED_CPU_INDUCTOR_CONFIGS)
     known = {}
-    for key, value in _WANTED_INDUCTOR_CONFIGS.items():
+    for key, value in wanted.items():
         try:
             config.__getattr__(key)  # dotted names resolve through the config module's own lookup
         except AttributeError:
@@ -84,6 +105,29 @@ _KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")
 
 class ExportError(ValueError):
     """An export that cannot be written or loaded; the message names the problem and the fix."""
+
+
+def check_output_path(out) -> Path:
+    """``out`` as a Path, after checking that an export can be written there: a ``.pt2`` file name in an
+    existing, writable folder. Called before any work, so that a bad ``-o`` does not fail after the compile."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+        raise ExportError(f"the output must be a file name ending in .pt2 (e.g. pair.pt2), got {out!r}")
+    out = Path(out)
+    if out.is_dir():
+        raise ExportError(f"the output {str(out)!r} is a folder: name the package file, e.g. {str(out / 'pair.pt2')!r}")
+    if out.suffix != ".pt2":
+        raise ExportError(f"the output {str(out)!r} must be a file name ending in .pt2 (e.g. pair.pt2)")
+    folder = out.parent
+    if not folder.is_dir():
+        raise ExportError(f"the output folder {str(folder)!r} does not exist: create it first "
+                          f"(mkdir -p {folder}) or write the package elsewhere")
+    try:  # the real test (permissions, a read-only file system, root's exemption from the mode bits)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{out.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise ExportError(f"cannot write into the output folder {str(folder)!r} ({e.strerror or e}): "
+                          "choose a writable folder") from None
+    return out
 
 
 def _model_tensors(model, prefix: str) -> dict[str, torch.Tensor]:
@@ -202,36 +246,114 @@ def _split_weights(flat, names_t, names_d):
     return (dict(zip(strip(names_t), flat[:nt])), dict(zip(strip(names_d), flat[nt:nt + nd])), flat[nt + nd:])
 
 
-class _Progress:
-    """One bar per compiled bucket: redrawn in place on a terminal, one line per finished bucket otherwise."""
+# Relative cost of each stage (seconds on an idle 2-core CPU for the tests' tiny pair). The ETA scales them by
+# what the finished stages really took, so only their ratios matter.
+_STAGE_COST = {"export": 3.0, "compile prefill": 22.0, "compile greedy": 23.0, "compile sample": 33.0}
 
-    def __init__(self, stream, enabled: bool):
+
+def _stage_cost(what: str) -> float:
+    return _STAGE_COST.get(what, _STAGE_COST.get(what.split(" ")[0], 10.0))
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class _Progress:
+    """One bar per artifact, with the time left for the whole export (ETA): redrawn in place every second on a
+    terminal, one line per finished artifact otherwise.
+
+    The ETA is the cost of the stages left (``_STAGE_COST``) scaled by the seconds per unit of cost the
+    finished stages took, less what the running stage has already spent of its own estimate."""
+
+    def __init__(self, stream, enabled: bool, planned: Sequence[str] = ()):
         self.stream, self.enabled = stream, enabled
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.cost_left = sum(map(_stage_cost, planned))  # planned stages not finished, the running one included
+        self.cost_done = self.time_done = 0.0
+        self.running: tuple[float, float] | None = None  # (cost, start) of the running stage
+        self.lock = threading.Lock()
+
+    def plan(self, stages: Sequence[str], add: bool = True) -> None:
+        """Stages added to (or, ``add=False``, dropped from) what is left to do."""
+        with self.lock:
+            self.cost_left += (1 if add else -1) * sum(map(_stage_cost, stages))
+
+    def eta(self) -> float | None:
+        """Seconds left for the whole export; None before any stage has finished."""
+        with self.lock:
+            if self.cost_done <= 0:
+                return None
+            per_cost = self.time_done / self.cost_done
+            left = self.cost_left * per_cost
+            if self.running is not None:
+                cost, start = self.running
+                left -= min(time.perf_counter() - start, cost * per_cost)
+            return max(left, 0.0)
 
     @contextmanager
     def bucket(self, label: str, n_stages: int):
-        """Yields ``stage(what)``, a context manager around one of the bucket's ``n_stages`` stages."""
-        t0, done = time.perf_counter(), [0]
+        """Yields a bucket ``b``: ``with b.stage(what):`` around each of its ``n_stages`` stages; ``b.status`` is
+        the word its last line ends with ("done" unless set; "failed" when the bucket raised)."""
+        progress, t0, lock = self, time.perf_counter(), threading.Lock()
 
-        def draw(what: str, final: bool = False):
+        class _Bucket:
+            done, what, status = 0, "", None
+
+            @contextmanager
+            def stage(self, what: str):
+                cost = _stage_cost(what)
+                with progress.lock:
+                    progress.running = (cost, time.perf_counter())
+                self.what = what
+                draw()
+                start = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    with progress.lock:
+                        progress.running = None
+                        progress.cost_left -= cost
+                        progress.cost_done += cost
+                        progress.time_done += time.perf_counter() - start
+                    self.done += 1
+                draw()
+
+        b = _Bucket()
+
+        def draw(final: bool = False):
             if not self.enabled or not (self.tty or final):
                 return
-            fill = 24 * done[0] // n_stages
-            line = (f"  {label:<8} [{'#' * fill}{'.' * (24 - fill)}] {done[0]}/{n_stages} {what:<16} "
-                    f"{time.perf_counter() - t0:6.1f}s")
-            self.stream.write(("\r" if self.tty else "") + line + ("\n" if final else ""))
-            self.stream.flush()
+            eta = self.eta()
+            fill = 24 * min(b.done, n_stages) // n_stages
+            what = (b.status or "done") if final else b.what
+            left = "" if final and self.cost_left <= 1e-9 else (
+                f"  ETA {_clock(eta)}" if eta is not None else "  ETA -:--")
+            line = (f"  {label:<10} [{'#' * fill}{'.' * (24 - fill)}] {b.done}/{n_stages} {what:<16} "
+                    f"{time.perf_counter() - t0:6.1f}s{left}")
+            with lock:  # on a terminal, padded over the longer line it redraws
+                self.stream.write((f"\r{line:<96}" if self.tty else line) + ("\n" if final else ""))
+                self.stream.flush()
 
-        @contextmanager
-        def stage(what: str):
-            draw(what)
-            yield
-            done[0] += 1
-            draw(what)
-
-        yield stage
-        draw("done", final=True)
+        stop = threading.Event()
+        ticker = None
+        if self.tty:  # elapsed time and ETA keep moving during a long compile
+            def tick():
+                while not stop.wait(1.0):
+                    draw()
+            ticker = threading.Thread(target=tick, name="spec-graph-export-progress", daemon=True)
+            ticker.start()
+        try:
+            yield b
+        except BaseException:
+            b.status = b.status or "failed"
+            raise
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            draw(final=True)
 
 
 @contextmanager
@@ -250,18 +372,30 @@ def _torch_references_on_cpu(device: torch.device):
                 os.environ["TRITON_INTERPRET"] = old
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
 def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, batch_sizes=(1, 4, 8),
                 max_len: int = 512, dtype: str = "auto", device: str | None = None, progress: bool = True,
-                stream=None) -> dict:
-    """Export the prefill and both step variants (greedy, sampling) per batch size to ``out``; return the metadata."""
+                stream=None, sampling: bool = False) -> dict:
+    """Export the prefill and the greedy step (and, with ``sampling=True``, the sampling step) to ``out``.
+
+    Each step is one artifact for every batch size (its batch dimension symbolic); returns the metadata."""
     from .engine import SpecDecoder
     from .step import speculative_step
 
+    out = check_output_path(out)
     stream = stream or sys.stderr
     t_start = time.perf_counter()
-    sizes = sorted({int(b) for b in batch_sizes})
+    try:
+        sizes = sorted({int(b) for b in batch_sizes})
+    except (TypeError, ValueError):
+        raise ExportError(f"batch sizes must be positive integers, got {batch_sizes!r}") from None
     if not sizes or sizes[0] < 1:
         raise ExportError(f"batch sizes must be positive integers, got {list(batch_sizes)!r}")
+    modes = MODES if sampling else MODES[:1]
     cfg = SpecGraphConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=sizes[-1], max_len=max_len,
                           dtype=dtype, device=device, batch_buckets=tuple(sizes), enable_graph=False)
     dec = SpecDecoder.from_pretrained(target_dir, draft_dir, cfg)
@@ -289,21 +423,39 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
                 st[k].copy_(new[k])
         return step
 
-    bar = _Progress(stream, progress)
+    def step_args(B: int) -> tuple:
+        st, out_buf, acc_log, stop_buf, dkv, tkv = dec._step_args(B)
+        return (*weights, *(st[k] for k in STATE_FIELDS), out_buf, acc_log, stop_buf, *dkv, *tkv)
+
+    # The step's batch dimension: symbolic over 1..rows where there is more than one row, so that one artifact
+    # serves every batch size (the example has all rows: a size-1 example would specialise it).
+    dynamic = dec.rows > 1
+    bdim = torch.export.Dim("B", min=1, max=dec.rows) if dynamic else None
+    per_row = {0: bdim}
+    step_ds = ((None,) * len(weights) + (per_row,) * len(STATE_FIELDS) + (per_row, per_row, None) + (None,) * 4,)
+    bar = _Progress(stream, progress, ["export", "compile prefill"]
+                    + [s for m in modes for s in ("export", f"compile {m}")])
+    configs = _inductor_configs(dev.type)
     artifacts: dict[str, dict] = {}
+    steps: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="spec-graph-export-") as tmp, _torch_references_on_cpu(dev):
-        def build(name: str, fn, args, stage, dynamic_shapes=None):
-            kind = name.split("_")[1] if name.startswith("step_") else name
-            with stage(f"export {kind}"):
+        def export_program(b, kind: str, fn, args, dynamic_shapes=None):
+            t0 = time.perf_counter()
+            with b.stage(f"export {kind}"), torch.no_grad():
                 ep = torch.export.export(_Fn(fn), args, dynamic_shapes=dynamic_shapes, strict=False)
+            return ep, time.perf_counter() - t0
+
+        def compile_program(b, kind: str, name: str, ep, export_s: float, served: list[int]) -> None:
             fused = sorted({str(n.target) for n in ep.graph.nodes
                             if n.op == "call_function" and str(n.target).startswith("spec_graph.")})
             path = Path(tmp) / f"{name}.pt2"
-            with stage(f"compile {kind}"):
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=_inductor_configs())
+            t0 = time.perf_counter()
+            with b.stage(f"compile {kind}"):
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(configs))
                 _check_cxx_runtime(path)
                 _strip_sources(path)
-            artifacts[name] = {"file": f"aoti/{name}.pt2", "fused_ops": fused}
+            artifacts[name] = {"file": f"aoti/{name}.pt2", "fused_ops": fused, "batch_sizes": served,
+                               "seconds": {"export": round(export_s, 1), "compile": round(time.perf_counter() - t0, 1)}}
 
         n_ex, t_ex = min(2, dec.rows), min(4, dec.cache_len)
         toks = torch.zeros(n_ex, t_ex, dtype=torch.long, device=dev)
@@ -313,24 +465,45 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
         n_dim = torch.export.Dim("n", min=1, max=dec.rows) if dec.rows > 1 else None
         t_dim = torch.export.Dim("T", min=1, max=dec.cache_len)
         seq = {0: n_dim, 1: t_dim} if n_dim is not None else {1: t_dim}
-        per_row = {0: n_dim} if n_dim is not None else None
-        ds = ((None,) * len(weights) + (seq, seq, per_row, per_row) + (None,) * 4,)  # one entry: forward(*flat)
-        with bar.bucket("prefill", 2) as stage:
-            with torch.no_grad():
-                build("prefill", prefill, ex, stage, ds)
-        for B in sizes:
-            with bar.bucket(f"b={B}", 4) as stage:
-                st, out_buf, acc_log, stop_buf, dkv, tkv = dec._step_args(B)
-                args = (*weights, *(st[k] for k in STATE_FIELDS), out_buf, acc_log, stop_buf, *dkv, *tkv)
-                for greedy in (True, False):
-                    with torch.no_grad():
-                        build(f"step_{'greedy' if greedy else 'sample'}_b{B}", make_step(greedy), args, stage)
+        per_prompt = {0: n_dim} if n_dim is not None else None
+        ds = ((None,) * len(weights) + (seq, seq, per_prompt, per_prompt) + (None,) * 4,)  # one entry: forward(*flat)
+        with bar.bucket("prefill", 2) as b:
+            compile_program(b, "prefill", "prefill", *export_program(b, "prefill", prefill, ex, ds), served=sizes)
+
+        for mode in modes:
+            fn = make_step(mode == "greedy")
+            if dynamic:
+                with bar.bucket(mode, 2) as b:
+                    try:
+                        ep, export_s = export_program(b, mode, fn, step_args(dec.rows), step_ds)
+                        compile_program(b, mode, f"step_{mode}", ep, export_s, sizes)
+                    except ExportError:
+                        raise  # the toolchain's fault: a per-size compile would fail alike
+                    except Exception as e:  # noqa: BLE001 - any reason: a per-size export fails with its own
+                        b.status = "batch not dynamic"
+                        log.warning("spec-graph export: the %s step's batch dimension cannot be symbolic (%s); "
+                                    "exporting it once per batch size (%d compiles)", mode, _one_line(e), len(sizes))
+                        if b.done < 2:  # the compile did not run
+                            bar.plan([f"compile {mode}"], add=False)
+                        bar.plan(["export", f"compile {mode}"] * len(sizes))
+                    else:
+                        steps[mode] = {str(B): f"step_{mode}" for B in sizes}
+                        continue
+            steps[mode] = {}
+            for B in sizes:
+                name, label = (f"step_{mode}", mode) if len(sizes) == 1 else (f"step_{mode}_b{B}", f"{mode} b={B}")
+                with bar.bucket(label, 2) as b:
+                    compile_program(b, mode, name, *export_program(b, mode, fn, step_args(B)), served=[B])
+                steps[mode][str(B)] = name
 
         from safetensors.torch import save as st_save
 
         state = {n: t.detach().contiguous().cpu() for n, t in {**tw, **dw}.items()}
         blob = st_save(state)
         tok_file = Path(target_dir) / TOKENIZER
+        tok = tok_file.read_bytes() if tok_file.is_file() else None
+        members = {WEIGHTS: blob, **({TOKENIZER: tok} if tok is not None else {}),
+                   **{a["file"]: (Path(tmp) / f"{name}.pt2").read_bytes() for name, a in artifacts.items()}}
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION,
             "spec_graph_version": __version__, "torch_version": torch.__version__,
@@ -341,25 +514,28 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
             "kv_cache": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                          for n, t in zip(_KV_NAMES, (*dec.draft_kv, *dec.target_kv))},
             "models": {"target": _model_record(target_dir, tw), "draft": _model_record(draft_dir, dw)},
+            "steps": steps,
             "artifacts": artifacts,
-            "tokenizer": tok_file.is_file(),
+            "sha256": {n: hashlib.sha256(data).hexdigest() for n, data in members.items()},
+            "inductor_configs": configs,
+            "tokenizer": tok is not None,
         }
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(out.name + ".partial")
-        with zipfile.ZipFile(partial, "w") as z:
-            z.writestr(META, json.dumps(meta, indent=1), compress_type=zipfile.ZIP_DEFLATED)
-            z.writestr(WEIGHTS, blob, compress_type=zipfile.ZIP_STORED)
-            if tok_file.is_file():
-                z.write(tok_file, TOKENIZER, compress_type=zipfile.ZIP_DEFLATED)
-            for name, a in artifacts.items():
-                z.write(Path(tmp) / f"{name}.pt2", a["file"], compress_type=zipfile.ZIP_DEFLATED)
-        os.replace(partial, out)
+        try:
+            with zipfile.ZipFile(partial, "w") as z:
+                z.writestr(META, json.dumps(meta, indent=1), compress_type=zipfile.ZIP_DEFLATED)
+                for n, data in members.items():
+                    z.writestr(n, data, compress_type=zipfile.ZIP_STORED if n == WEIGHTS else zipfile.ZIP_DEFLATED)
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
     size = out.stat().st_size
     if progress:
+        batch = f"batch {sizes[0]}" if len(sizes) == 1 else f"batch sizes {', '.join(map(str, sizes))}"
+        only = "" if sampling else "; greedy only: --sampling adds the sampling step"
         stream.write(f"spec-graph export: wrote {out} ({size / 2**20:.1f} MiB, {size / len(blob):.2f}x the "
-                     f"{len(blob) / 2**20:.1f} MiB of weights; {len(artifacts)} artifacts) "
-                     f"in {time.perf_counter() - t_start:.1f}s\n")
+                     f"{len(blob) / 2**20:.1f} MiB of weights; {len(artifacts)} artifacts: {', '.join(artifacts)} "
+                     f"for {batch}{only}) in {time.perf_counter() - t_start:.1f}s\n")
         stream.flush()
     return meta
 
@@ -388,8 +564,8 @@ def read_metadata(path) -> dict:
             missing = [n for n in [WEIGHTS, *(a["file"] for a in meta["artifacts"].values())] if n not in names]
             if missing:
                 raise ExportError(f"{path} is corrupt or incomplete: missing {', '.join(missing)}; export it again")
-    except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError,
-            zipfile.LargeZipFile) as e:
+    except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError, zipfile.LargeZipFile) as e:
         raise ExportError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); export it again") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{path} has export format version {meta.get('format_version')!r}; this spec-graph "
@@ -398,7 +574,18 @@ def read_metadata(path) -> dict:
         raise ExportError(f"{path} was built with torch {meta.get('torch_version')}, but this is torch "
                           f"{torch.__version__}: AOTInductor artifacts only load in the torch that built them; "
                           f"export again here or install torch {meta.get('torch_version')}")
+    sums, steps = meta.get("sha256"), meta.get("steps")
+    files = [WEIGHTS, *(a["file"] for a in meta["artifacts"].values())]
+    if not isinstance(sums, dict) or any(not isinstance(sums.get(n), str) for n in files) \
+            or not isinstance(steps, dict) or "greedy" not in steps \
+            or any(name not in meta["artifacts"] for per in steps.values() for name in per.values()):
+        raise ExportError(f"{path} is corrupt: its {META} lacks the sha256 of its files or the steps it holds; "
+                          "export it again")
     return meta
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class ExportedRunner(DecoderBase):
@@ -409,9 +596,50 @@ class ExportedRunner(DecoderBase):
         self.metadata, self.path, self.weights = meta, path, weights
         self._prefill_fn, self._steps, self._workdir = prefill, steps, workdir
         self.batch_sizes = tuple(meta["batch_sizes"])
+        self.sampling = "sample" in meta["steps"]  # exported with --sampling
         use_graphs = plat.supports_graphs and config.enable_graph is not False
         super().__init__(config, meta["vocab_size"], plat.device, plat, tokenizer, meta["eos_token_ids"],
                          use_graphs=use_graphs, rows=meta["rows"])
+
+    def _no_sampling(self) -> ExportError:
+        return ExportError(f"{self.path} holds only the greedy step (it was exported without --sampling): use "
+                           "temperature 0, or export again with --sampling for temperature > 0")
+
+    def generate(self, prompts, max_new_tokens, *args, **kwargs):
+        temperature = args[0] if args else kwargs.get("temperature", 0.0)
+        if not self.sampling:
+            from .sampling import SamplingParams
+
+            try:
+                greedy = SamplingParams(temperature=temperature).greedy
+            except (ValueError, TypeError):
+                greedy = True  # not a valid temperature: generate names it
+            if not greedy:
+                raise self._no_sampling()
+        return super().generate(prompts, max_new_tokens, *args, **kwargs)
+
+    def _encode(self, prompts, max_new_tokens) -> list[list[int]]:
+        # The base check advises raising max_len (--max-len), which an export fixes: here the advice is to
+        # export again. Only prompts the base would accept otherwise are measured (its errors come first).
+        limit = self.metadata["max_len"]
+        if _is_int(max_new_tokens) and max_new_tokens >= 1 and isinstance(prompts, Sequence) \
+                and not isinstance(prompts, (str, bytes)):
+            for i, p in enumerate(prompts):
+                if isinstance(p, str) and self.tokenizer is not None:
+                    ids = self.tokenizer.encode(p).ids
+                elif isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and all(_is_int(t) for t in p):
+                    ids = [int(t) for t in p]
+                else:
+                    break
+                if not ids or any(not 0 <= t < self.vocab_size for t in ids):
+                    break
+                need = len(ids) + int(max_new_tokens)
+                if need > limit:
+                    raise ValueError(
+                        f"prompt {i} has {len(ids)} tokens; with max_new_tokens={int(max_new_tokens)} it needs {need} "
+                        f"> max_len={limit}, which the export fixed: export again with a larger --max-len "
+                        f"(spec-graph export --max-len {need} or more), or shorten the prompt or lower max_new_tokens")
+        return super()._encode(prompts, max_new_tokens)
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         kv = self.metadata["kv_cache"]
@@ -425,6 +653,9 @@ class ExportedRunner(DecoderBase):
                                     lens.contiguous(), *self.draft_kv, *self.target_kv)
 
     def _step_fn(self, greedy: bool):
+        if not greedy and not self.sampling:
+            raise self._no_sampling()
+
         def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
             B = st["tail"].shape[0]
             fn = self._steps.get((greedy, B))
@@ -439,8 +670,10 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
     """Load an export written by ``spec-graph export``; imports no model code and reads no checkpoint.
 
     ``max_batch_size`` (request slots) defaults to the largest exported batch
-    size and may not exceed it. On CUDA/NPU the step is captured in a static
-    graph per batch size unless ``enable_graph=False``.
+    size and may not exceed it. Every member's sha256 is checked against the
+    metadata before anything is loaded (a damaged library would crash the
+    process). On CUDA/NPU the step is captured in a static graph per batch
+    size unless ``enable_graph=False``.
     """
     from safetensors.torch import load as st_load
 
@@ -456,42 +689,56 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         raise ExportError(f"{path} was exported for device {built!r}, which this machine lacks ({e})") from None
     sizes = meta["batch_sizes"]
     S = sizes[-1] if max_batch_size is None else max_batch_size
-    if not isinstance(S, int) or S < 1 or S > sizes[-1]:
+    if not _is_int(S) or S < 1:
+        raise ExportError(f"max_batch_size (--max-batch-size) must be a positive integer (request slots, at most "
+                          f"{sizes[-1]} for this export), got {S!r}")
+    if S > sizes[-1]:
         raise ExportError(f"batch of {S} requests is over the largest exported batch size {sizes[-1]} (exported "
                           f"batch sizes: {', '.join(map(str, sizes))}); export again with larger --batch-sizes")
-    cfg = SpecGraphConfig(num_speculative_tokens=meta["num_speculative_tokens"], max_batch_size=S,
+    cfg = SpecGraphConfig(num_speculative_tokens=meta["num_speculative_tokens"], max_batch_size=int(S),
                           max_len=meta["max_len"], dtype=meta["dtype"], device=built, batch_buckets=tuple(sizes),
                           enable_graph=enable_graph, steps_per_graph=steps_per_graph)
-    workdir = tempfile.TemporaryDirectory(prefix="spec-graph-load-")
     use_graphs = plat.supports_graphs and enable_graph is not False
     with zipfile.ZipFile(path) as z:
-        names = meta["weights"]
-        tensors = st_load(z.read(WEIGHTS))
-        if sorted(tensors) != sorted(names):
-            raise ExportError(f"{path} is corrupt: {WEIGHTS} does not hold the weights {META} names; export it again")
-        weights = tuple(tensors[n].to(plat.device) for n in names)
-        tokenizer = None
-        if TOKENIZER in z.namelist():
-            from tokenizers import Tokenizer
+        # Every file is checked before any is loaded: a library truncated inside an intact zip would kill the
+        # process (SIGBUS) with no message.
+        data = {}
+        for name in [WEIGHTS, *(a["file"] for a in meta["artifacts"].values()),
+                     *([TOKENIZER] if TOKENIZER in z.namelist() and TOKENIZER in meta["sha256"] else [])]:
+            data[name] = z.read(name)
+            if hashlib.sha256(data[name]).hexdigest() != meta["sha256"][name]:
+                what = "artifact " if name.startswith("aoti/") else ""
+                raise ExportError(f"{path} is damaged: {what}{name} does not match the sha256 its {META} records; "
+                                  "export it again")
+    tensors = st_load(data.pop(WEIGHTS))
+    names = meta["weights"]
+    if sorted(tensors) != sorted(names):
+        raise ExportError(f"{path} is corrupt: {WEIGHTS} does not hold the weights {META} names; export it again")
+    weights = tuple(tensors[n].to(plat.device) for n in names)
+    del tensors
+    tokenizer = None
+    if TOKENIZER in data:
+        from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_str(z.read(TOKENIZER).decode())
-        models = {}
-        for name, a in meta["artifacts"].items():
-            dst = Path(workdir.name) / f"{name}.pt2"
-            data = z.read(a["file"])
-            dst.write_bytes(data)
-            lib = _static_cxx_runtime(data)
-            if lib is not None:
-                raise ExportError(f"{path}: artifact {a['file']} was built with libstdc++ linked statically into "
-                                  f"{lib}, and loading it would crash this process; export it again with "
-                                  "CXX set to a g++ that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++)")
-            try:
-                models[name] = torch._inductor.aoti_load_package(str(dst), run_single_threaded=use_graphs)
-            except Exception as e:  # noqa: BLE001 - a broken artifact, whatever the loader raises
-                raise ExportError(f"{path}: artifact {a['file']} does not load ({type(e).__name__}: {e}); "
-                                  "export it again") from None
-    steps = {(g == "greedy", B): models[f"step_{g}_b{B}"] for B in sizes for g in ("greedy", "sample")}
+        tokenizer = Tokenizer.from_str(data.pop(TOKENIZER).decode())
+    workdir = tempfile.TemporaryDirectory(prefix="spec-graph-load-")
+    models = {}
+    for name, a in meta["artifacts"].items():
+        blob = data.pop(a["file"])
+        lib = _static_cxx_runtime(blob)
+        if lib is not None:
+            raise ExportError(f"{path}: artifact {a['file']} was built with libstdc++ linked statically into "
+                              f"{lib}, and loading it would crash this process; export it again with "
+                              "CXX set to a g++ that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++)")
+        dst = Path(workdir.name) / f"{name}.pt2"
+        dst.write_bytes(blob)
+        try:
+            models[name] = torch._inductor.aoti_load_package(str(dst), run_single_threaded=use_graphs)
+        except Exception as e:  # noqa: BLE001 - a broken artifact, whatever the loader raises
+            raise ExportError(f"{path}: artifact {a['file']} does not load ({type(e).__name__}: {e}); "
+                              "export it again") from None
+    steps = {(mode == "greedy", int(B)): models[name] for mode, per in meta["steps"].items() for B, name in per.items()}
     return ExportedRunner(meta, weights, models["prefill"], steps, cfg, plat, tokenizer, workdir, path)
 
 
-__all__ = ["ExportError", "ExportedRunner", "export_pair", "load_exported", "read_metadata"]
+__all__ = ["ExportError", "ExportedRunner", "check_output_path", "export_pair", "load_exported", "read_metadata"]

@@ -1,6 +1,8 @@
 """Offline export (`spec-graph export`) and `load_exported`: equal output to the engine, no model code, clear errors.
 
-One export (batch sizes 1 and 2: five AOTInductor compiles) is shared by the whole module.
+One export (batch sizes 1 and 2, --sampling: three AOTInductor compiles, the prefill and one step artifact per
+mode serving both batch sizes) is shared by the whole module; the layout checks of the default (greedy-only)
+export and of the per-batch-size fallback run torch.export only, with the compile stubbed out.
 """
 import contextlib
 import hashlib
@@ -35,7 +37,7 @@ def exported(llama_pair, tmp_path_factory):
     with contextlib.redirect_stderr(err):
         rc = main(["export", "--target", str(target), "--draft", str(draft), "-k", str(K), "--batch-sizes",
                    ",".join(map(str, SIZES)), "--max-len", str(MAX_LEN), "--dtype", "float32", "--device", "cpu",
-                   "-o", str(out)])
+                   "--sampling", "-o", str(out)])
     assert rc == 0, err.getvalue()
     return out, err.getvalue(), time.perf_counter() - t0
 
@@ -49,32 +51,81 @@ def engine(llama_pair):
 
 
 @pytest.fixture(scope="module")
+def reference(engine):
+    """``reference(slots)``: the engine's greedy output for PROMPTS (20 new tokens) through that many slots,
+    computed once per module (the eager CPU engine is the slow part of these tests)."""
+    memo = {}
+
+    def get(slots: int = max(SIZES)):
+        if slots not in memo:
+            engine.config.max_batch_size = slots  # queue through the same number of slots
+            try:
+                memo[slots] = engine.generate(PROMPTS, max_new_tokens=20)
+            finally:
+                engine.config.max_batch_size = max(SIZES)
+        return memo[slots]
+    return get
+
+
+@pytest.fixture(scope="module")
 def runner(exported):
     return load_exported(exported[0])
 
 
-def _rewrite(src: Path, dst: Path, **meta_changes) -> Path:
-    """A copy of the package with some metadata fields changed."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename == "metadata.json":
-                meta = json.loads(data)
-                meta.update(meta_changes)
-                data = json.dumps(meta).encode()
+def _rewrite(src: Path, dst: Path, members: dict | None = None, drop=(), **meta_changes) -> Path:
+    """A copy of the package with some metadata fields changed, some members replaced ({name: bytes}, their
+    sha256 recorded as an export would) and the members in ``drop`` left out."""
+    members = members or {}
+    with zipfile.ZipFile(src) as zin:
+        meta = json.loads(zin.read("metadata.json"))
+        items = [(item, members.get(item.filename, zin.read(item.filename))) for item in zin.infolist()
+                 if item.filename not in drop and item.filename != "metadata.json"]
+    meta["sha256"].update({n: hashlib.sha256(d).hexdigest() for n, d in members.items()})
+    meta.update(meta_changes)
+    with zipfile.ZipFile(dst, "w") as zout:
+        zout.writestr("metadata.json", json.dumps(meta))
+        for item, data in items:
             zout.writestr(item, data)
     return dst
 
 
-def test_export_prints_a_bar_per_bucket_and_a_summary(exported):
+def test_export_prints_a_bar_per_artifact_with_eta_and_a_summary(exported):
     _, log, _ = exported
     lines = log.strip().splitlines()
-    for label, stages in (("prefill", 2), ("b=1", 4), ("b=2", 4)):
+    for label, last in (("prefill", False), ("greedy", False), ("sample", True)):
         bar = [ln for ln in lines if ln.strip().startswith(label + " ")]
-        assert len(bar) == 1 and f"{stages}/{stages} done" in bar[0] and "#" * 24 in bar[0], log
+        assert len(bar) == 1 and "2/2 done" in bar[0] and "#" * 24 in bar[0], log
+        assert ("ETA" in bar[0]) != last, bar[0]  # the time left for the rest of the export
     summary = lines[-1]
     assert summary.startswith("spec-graph export: wrote ") and "MiB" in summary and "weights" in summary
+    assert "3 artifacts: prefill, step_greedy, step_sample for batch sizes 1, 2" in summary
     assert summary.rstrip().endswith("s") and " in " in summary
+
+
+def test_progress_eta_counts_down_on_a_terminal():
+    from spec_graph.export import _STAGE_COST, _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = _Progress(tty, True, ["export", "compile greedy"])
+    with bar.bucket("greedy", 2) as b:
+        t0 = time.perf_counter()
+        with b.stage("export greedy"):
+            time.sleep(0.05)
+        spent = time.perf_counter() - t0
+        ratio = _STAGE_COST["compile greedy"] / _STAGE_COST["export"]
+        assert 0.05 * ratio <= bar.eta() <= spent * ratio  # the compile, at the export's pace
+        with b.stage("compile greedy"):
+            time.sleep(2.2)  # the bar is redrawn every second while a stage runs
+            assert bar.eta() == 0.0  # over its estimate: nothing else is left
+    text = tty.getvalue()
+    frames = text.split("\r")
+    assert "ETA -:--" in frames[1] and "ETA 0:00" in text and "1/2 compile greedy" in text
+    assert len([f for f in frames if "1/2 compile greedy" in f]) >= 2
+    assert frames[-1].rstrip().endswith("s") and "2/2 done" in frames[-1] and text.endswith("\n")
 
 
 def test_package_holds_weights_once_and_the_metadata(exported, llama_pair, engine):
@@ -89,14 +140,18 @@ def test_package_holds_weights_once_and_the_metadata(exported, llama_pair, engin
         assert meta["models"][role]["config_sha256"] == hashlib.sha256((Path(d) / "config.json").read_bytes()).hexdigest()
         assert len(meta["models"][role]["weights_sha256"]) == 64
     assert meta["models"]["target"]["weights_sha256"] != meta["models"]["draft"]["weights_sha256"]
+    # one step artifact per mode serves every batch size (its batch dimension is symbolic)
+    assert meta["steps"] == {m: {str(b): f"step_{m}" for b in SIZES} for m in ("greedy", "sample")}
+    assert all(a["batch_sizes"] == list(SIZES) for a in meta["artifacts"].values())
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
-        assert sorted(n for n in names if n.startswith("aoti/")) == sorted(
-            ["aoti/prefill.pt2"] + [f"aoti/step_{g}_b{b}.pt2" for b in SIZES for g in ("greedy", "sample")])
+        assert sorted(n for n in names if n.startswith("aoti/")) == [
+            "aoti/prefill.pt2", "aoti/step_greedy.pt2", "aoti/step_sample.pt2"]
         assert [n for n in names if n.endswith(".safetensors")] == ["weights.safetensors"]
         assert "tokenizer.json" in names
+        assert meta["sha256"] == {n: hashlib.sha256(z.read(n)).hexdigest() for n in names if n != "metadata.json"}
         weight_bytes = z.getinfo("weights.safetensors").file_size
-        inner = zipfile.ZipFile(io.BytesIO(z.read("aoti/step_greedy_b1.pt2"))).infolist()
+        inner = zipfile.ZipFile(io.BytesIO(z.read("aoti/step_greedy.pt2"))).infolist()
     assert any(i.filename.endswith(".so") for i in inner)
     assert all(i.file_size == 0 for i in inner if i.filename.endswith(".cpp"))  # sources emptied
     params = sum(t.numel() * t.element_size() for m in (engine.target, engine.draft)
@@ -104,26 +159,23 @@ def test_package_holds_weights_once_and_the_metadata(exported, llama_pair, engin
     assert params <= weight_bytes < params + 64 * 1024  # the tensors, plus the safetensors header
     # No artifact embeds a weight: every one takes them as inputs.
     runner = load_exported(path)
+    assert runner.sampling and len({id(fn) for fn in runner._steps.values()}) == 2  # greedy, sample
     for fn in (runner._prefill_fn, *runner._steps.values()):
         assert list(fn.get_constant_fqns()) == []
 
 
 def test_fused_triton_ops_survive_export(exported):
     arts = read_metadata(exported[0])["artifacts"]
-    for b in SIZES:
-        assert "spec_graph.greedy_accept_prepare.default" in arts[f"step_greedy_b{b}"]["fused_ops"]
-        assert {"spec_graph.rejection_sample.default", "spec_graph.prepare_next.default"} <= set(
-            arts[f"step_sample_b{b}"]["fused_ops"])
+    assert "spec_graph.greedy_accept_prepare.default" in arts["step_greedy"]["fused_ops"]
+    assert {"spec_graph.rejection_sample.default", "spec_graph.prepare_next.default"} <= set(
+        arts["step_sample"]["fused_ops"])
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-def test_greedy_equals_engine_token_for_token(exported, engine, llama_pair, slots):
+def test_greedy_equals_engine_token_for_token(exported, reference, llama_pair, slots):
+    """Through 1 slot the step runs at batch 1, through 2 at batch 2: one artifact serves both sizes."""
     runner = load_exported(exported[0], max_batch_size=slots)
-    engine.config.max_batch_size = slots  # queue through the same number of slots
-    try:
-        ref = engine.generate(PROMPTS, max_new_tokens=20)
-    finally:
-        engine.config.max_batch_size = max(SIZES)
+    ref = reference(slots)
     out = runner.generate(PROMPTS, max_new_tokens=20)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     assert [r.finish_reason for r in out] == [r.finish_reason for r in ref]
@@ -165,8 +217,8 @@ print(json.dumps({"tokens": [r.token_ids for r in out], "modules": bad, "touched
 """
 
 
-def test_loads_and_runs_without_model_code_or_checkpoint(exported, engine, llama_pair):
-    ref = engine.generate(PROMPTS, max_new_tokens=20)
+def test_loads_and_runs_without_model_code_or_checkpoint(exported, reference, llama_pair):
+    ref = reference()
     roots = [str(Path(d).resolve()) for d in llama_pair]
     proc = subprocess.run([sys.executable, "-c", _BLOCKED, str(exported[0]), json.dumps(PROMPTS), *roots],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
@@ -182,18 +234,50 @@ def test_blocked_import_really_blocks(exported):
     assert proc.returncode != 0 and "blocked: spec_graph.engine" in proc.stderr
 
 
-def test_cli_generate_exported(exported, engine, capsys):
-    ref = engine.generate([[5, 9, 17, 33, 2], [40, 41]], max_new_tokens=12)
+def test_cli_generate_exported(exported, reference, capsys):
+    ref = [r.token_ids[:12] for r in reference()[:2]]  # greedy: the first 12 of the same requests' 20
     rc = main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5,9,17,33,2", "--prompt-ids", "40,41",
                "--max-new-tokens", "12", "--json"])
     assert rc == 0
     got = json.loads(capsys.readouterr().out)
-    assert [o["token_ids"] for o in got["outputs"]] == [r.token_ids for r in ref]
+    assert [o["token_ids"] for o in got["outputs"]] == ref
 
 
 def test_cli_generate_exported_refuses_fixed_options(exported, capsys):
-    assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5", "-k", "2"]) == 1
+    assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5", "-k", "2"]) == 2
     assert "drop -k" in capsys.readouterr().err
+
+
+def test_greedy_only_package_refuses_sampling(tmp_path, exported, reference, capsys):
+    """What an export without --sampling holds: the greedy step only; a sampling request is refused up front."""
+    meta = read_metadata(exported[0])
+    del meta["steps"]["sample"], meta["artifacts"]["step_sample"], meta["sha256"]["aoti/step_sample.pt2"]
+    greedy_only = _rewrite(exported[0], tmp_path / "greedy.pt2", drop=("aoti/step_sample.pt2",), steps=meta["steps"],
+                           artifacts=meta["artifacts"], sha256=meta["sha256"])
+    runner = load_exported(greedy_only)
+    assert not runner.sampling
+    with pytest.raises(ExportError, match="exported without --sampling.*export again with --sampling"):
+        runner.generate(PROMPTS, max_new_tokens=4, temperature=0.8)
+    with pytest.raises(ValueError, match="temperature"):  # an invalid temperature keeps its own message
+        runner.generate(PROMPTS, max_new_tokens=4, temperature=-1.0)
+    out = runner.generate(PROMPTS, max_new_tokens=20)
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference()]
+    capsys.readouterr()
+    assert main(["generate", "--exported", str(greedy_only), "--prompt-ids", "5", "--temperature", "0.7"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--sampling" in lines[0], lines
+
+
+def test_too_many_new_tokens_says_to_export_again(runner, exported, capsys):
+    with pytest.raises(ValueError, match=rf"needs {5 + MAX_LEN} > max_len={MAX_LEN}, which the export fixed: "
+                                         "export again with a larger --max-len"):
+        runner.generate(PROMPTS, max_new_tokens=MAX_LEN)
+    with pytest.raises(ValueError, match="out of range"):  # the base checks keep their order and messages
+        runner.generate([[10**6] * 70], max_new_tokens=10)
+    assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5,6", "--max-new-tokens",
+                 str(MAX_LEN)]) == 2
+    err = capsys.readouterr().err
+    assert "export again with a larger --max-len" in err and "raise max_len" not in err
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -238,8 +322,45 @@ def test_error_other_torch_version(tmp_path, exported):
 def test_error_batch_over_the_largest_size(exported, capsys):
     with pytest.raises(ExportError, match=r"largest exported batch size 2 \(exported batch sizes: 1, 2\)"):
         load_exported(exported[0], max_batch_size=3)
-    assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5", "--max-batch-size", "3"]) == 1
+    assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5", "--max-batch-size", "3"]) == 2
     assert "exported batch sizes: 1, 2" in capsys.readouterr().err
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ExportError, match=rf"max_batch_size \(--max-batch-size\) must be a positive integer.*"
+                                              rf"got {bad!r}") as e:
+            load_exported(exported[0], max_batch_size=bad)
+        assert "over the largest" not in str(e.value)
+
+
+def _cut_library(artifact: bytes) -> bytes:
+    """The AOTInductor package ``artifact`` with its compiled library cut to half, as a valid zip."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(artifact)) as zin, zipfile.ZipFile(buf, "w") as zout:
+        cut = 0
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith(".so"):
+                data, cut = data[: len(data) // 2], cut + 1
+            zout.writestr(item, data)
+    assert cut == 1
+    return buf.getvalue()
+
+
+def test_error_damaged_library_is_refused_before_loading(tmp_path, exported):
+    """A library truncated inside an intact zip kills the loading process (SIGBUS, no message) once loaded: the
+    sha256 recorded at export refuses it first, naming the artifact (checked in a child process, so that a
+    regression cannot take the test session down)."""
+    pkg = tmp_path / "damaged.pt2"
+    with zipfile.ZipFile(exported[0]) as zin, zipfile.ZipFile(pkg, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            zout.writestr(item, _cut_library(data) if item.filename == "aoti/step_greedy.pt2" else data)
+    assert zipfile.ZipFile(pkg).testzip() is None  # the zip's own CRCs hold
+    proc = subprocess.run([sys.executable, "-m", "spec_graph.cli", "generate", "--exported", str(pkg),
+                           "--prompt-ids", "5,6"], capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "damaged: artifact aoti/step_greedy.pt2 does not match the sha256" in lines[0]
+    assert "export it again" in lines[0]
 
 
 def test_error_other_device(tmp_path, exported):
@@ -251,7 +372,7 @@ def test_error_other_device(tmp_path, exported):
             load_exported(cuda_pkg)
 
 
-def test_loaded_step_is_captured_per_bucket(exported, engine):
+def test_loaded_step_is_captured_per_bucket(exported, reference):
     """Through the platform seam (a stand-in graph platform on CPU): one graph per (mode, batch size), all replayed."""
     from helpers import fake_platform
 
@@ -262,7 +383,7 @@ def test_loaded_step_is_captured_per_bucket(exported, engine):
     runner = ExportedRunner(base.metadata, base.weights, base._prefill_fn, base._steps, base.config, plat,
                             base.tokenizer, base._workdir, base.path)
     out = runner.generate(PROMPTS, max_new_tokens=20)
-    assert [r.token_ids for r in out] == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=20)]
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference()]
     assert set(runner.graphs.graphs) == {(True, b) for b in SIZES}
     assert plat.events.count("record") == len(SIZES) and plat.events.count("replay") == out.stats.steps
 
@@ -270,9 +391,129 @@ def test_loaded_step_is_captured_per_bucket(exported, engine):
 def test_inductor_options_unknown_to_this_torch_are_left_out(monkeypatch):
     from spec_graph import export
 
+    assert export._inductor_configs("cpu")["realize_opcount_threshold"] == 16  # the CPU sampling step's codegen
+    assert "realize_opcount_threshold" not in export._inductor_configs("cuda")
     monkeypatch.setattr(export, "_WANTED_INDUCTOR_CONFIGS",
                         {"aot_inductor.no_such_option": True, "aot_inductor.debug_compile": False})
+    monkeypatch.setattr(export, "_WANTED_CPU_INDUCTOR_CONFIGS", {"no_such_cpu_option": 1, "compile_threads": 1})
     assert export._inductor_configs() == {"aot_inductor.debug_compile": False}
+    assert export._inductor_configs("cpu") == {"aot_inductor.debug_compile": False, "compile_threads": 1}
+
+
+# ------------------------------------------------------------- layout and output path, without compiling
+def _stub_compile(monkeypatch, fail_call: int | None = None):
+    """aoti_compile_and_package writes a tiny zip instead of compiling (and raises at call ``fail_call``, counted
+    from 0); returns the exported programs it got."""
+    got = []
+
+    def fake(ep, package_path, inductor_configs=None):
+        got.append(ep)
+        if len(got) - 1 == fail_call:
+            raise RuntimeError("Constraints violated (B)! the compile specialised the batch")
+        with zipfile.ZipFile(package_path, "w") as z:
+            z.writestr("model/model.wrapper.cpp", "// generated")
+        return package_path
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake)
+    return got
+
+
+def test_default_export_is_greedy_only_with_a_dynamic_batch(tmp_path, llama_pair, monkeypatch):
+    from spec_graph.export import export_pair
+
+    programs = _stub_compile(monkeypatch)
+    err = io.StringIO()
+    meta = export_pair(*llama_pair, tmp_path / "g.pt2", num_speculative_tokens=K, batch_sizes=(2, 1, 4),
+                       max_len=MAX_LEN, dtype="float32", device="cpu", stream=err)
+    assert meta["steps"] == {"greedy": {"1": "step_greedy", "2": "step_greedy", "4": "step_greedy"}}
+    assert sorted(meta["artifacts"]) == ["prefill", "step_greedy"] and meta["batch_sizes"] == [1, 2, 4]
+    step = programs[1]  # the batch dimension is symbolic, 1..4: one artifact for the three sizes
+    tail = [n for n in step.graph.nodes if n.op == "placeholder"][len(meta["weights"])]
+    b = tail.meta["val"].shape[0]
+    assert isinstance(b, torch.SymInt)
+    assert step.range_constraints[b.node.expr].lower == 1 and step.range_constraints[b.node.expr].upper == 4
+    assert "greedy only: --sampling adds the sampling step" in err.getvalue().splitlines()[-1]
+    assert read_metadata(tmp_path / "g.pt2")["steps"] == meta["steps"]
+
+
+@pytest.mark.parametrize("fails_in", ["export", "compile"])
+def test_step_falls_back_to_one_artifact_per_batch_size(tmp_path, llama_pair, monkeypatch, caplog, fails_in):
+    """Where torch cannot export or compile the batch dimension as symbolic, each batch size gets its own step
+    artifact."""
+    from spec_graph.export import export_pair
+
+    _stub_compile(monkeypatch, fail_call=1 if fails_in == "compile" else None)  # call 0 is the prefill
+    real_export = torch.export.export
+
+    def no_dynamic_batch(mod, args, dynamic_shapes=None, **kw):
+        if fails_in == "export" and "Dim('B'" in str(dynamic_shapes):
+            raise RuntimeError("Constraints violated (B)! a guard specialised the batch")
+        return real_export(mod, args, dynamic_shapes=dynamic_shapes, **kw)
+
+    monkeypatch.setattr(torch.export, "export", no_dynamic_batch)
+    err = io.StringIO()
+    meta = export_pair(*llama_pair, tmp_path / "s.pt2", num_speculative_tokens=K, batch_sizes=SIZES,
+                       max_len=MAX_LEN, dtype="float32", device="cpu", stream=err)
+    assert meta["steps"] == {"greedy": {str(b): f"step_greedy_b{b}" for b in SIZES}}
+    assert [meta["artifacts"][f"step_greedy_b{b}"]["batch_sizes"] for b in SIZES] == [[b] for b in SIZES]
+    assert "batch dimension cannot be symbolic (Constraints violated (B)!" in caplog.text
+    lines = err.getvalue().splitlines()
+    assert any(ln.strip().startswith("greedy ") and "batch not dynamic" in ln for ln in lines), lines
+    assert [ln.split()[0:2] for ln in lines if "b=" in ln] == [["greedy", "b=1"], ["greedy", "b=2"]]
+
+
+@pytest.mark.gpu
+def test_cuda_export_serves_every_batch_size_with_one_step(tmp_path, llama_pair):
+    """On CUDA the fused ops' Triton kernels are compiled into the step: its batch dimension stays symbolic too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from spec_graph.export import export_pair
+
+    pkg = tmp_path / "cuda.pt2"
+    meta = export_pair(*llama_pair, pkg, num_speculative_tokens=K, batch_sizes=SIZES, max_len=MAX_LEN,
+                       dtype="float32", device="cuda", progress=False)
+    assert meta["steps"] == {"greedy": {str(b): "step_greedy" for b in SIZES}}
+    eager = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(
+        num_speculative_tokens=K, max_batch_size=max(SIZES), max_len=MAX_LEN, dtype="float32", device="cuda",
+        batch_buckets=SIZES, enable_graph=False))
+    for slots in SIZES:
+        runner = load_exported(pkg, max_batch_size=slots)
+        eager.config.max_batch_size = slots
+        out = runner.generate(PROMPTS, max_new_tokens=20)
+        assert [r.token_ids for r in out] == [r.token_ids for r in eager.generate(PROMPTS, max_new_tokens=20)]
+        assert set(runner.graphs.graphs) == {(True, b) for b in SIZES} and not runner.graphs.failed
+
+
+@pytest.mark.parametrize("output, needle", [
+    ("missing/pair.pt2", "does not exist: create it first"),
+    ("pair.zip", "must be a file name ending in .pt2"),
+    ("folder", "is a folder"),
+    ("file.txt/pair.pt2", "does not exist"),
+])
+def test_export_checks_the_output_before_any_work(tmp_path, llama_pair, monkeypatch, capsys, output, needle):
+    from spec_graph import engine
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    monkeypatch.setattr(engine.SpecDecoder, "from_pretrained", lambda *a, **k: pytest.fail("loaded the models"))
+    rc = main(["export", "--target", str(llama_pair[0]), "--draft", str(llama_pair[1]), "--device", "cpu",
+               "-o", str(tmp_path / output)])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("spec-graph: error:") and needle in lines[0], lines
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into any folder")
+def test_export_refuses_an_unwritable_folder(tmp_path):
+    from spec_graph.export import check_output_path
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ExportError, match="cannot write into the output folder"):
+            check_output_path(locked / "pair.pt2")
+    finally:
+        locked.chmod(0o700)
 
 
 def _package_holding(tmp_path, library) -> Path:
@@ -301,16 +542,13 @@ def test_export_and_load_refuse_a_library_with_its_own_libstdcxx(tmp_path, expor
         export._check_cxx_runtime(static)
     export._check_cxx_runtime(_package_holding(tmp_path, Path(torch.__file__).parent / "lib" / "libc10.so"))
 
-    # every artifact of the real export links the shared runtime; a doctored one is refused at load
-    pkg = tmp_path / "doctored.pt2"
-    with zipfile.ZipFile(exported[0]) as zin, zipfile.ZipFile(pkg, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename.startswith("aoti/"):
-                (tmp_path / "artifact.pt2").write_bytes(data)
-                assert export._static_cxx_runtime(tmp_path / "artifact.pt2") is None, item.filename
-            if item.filename == "aoti/prefill.pt2":
-                data = static.read_bytes()
-            zout.writestr(item, data)
+    # every artifact of the real export links the shared runtime; a doctored one (its sha256 recorded, as a
+    # toolchain that links libstdc++ statically would have produced it) is refused at load
+    with zipfile.ZipFile(exported[0]) as zin:
+        for name in zin.namelist():
+            if name.startswith("aoti/"):
+                (tmp_path / "artifact.pt2").write_bytes(zin.read(name))
+                assert export._static_cxx_runtime(tmp_path / "artifact.pt2") is None, name
+    pkg = _rewrite(exported[0], tmp_path / "doctored.pt2", members={"aoti/prefill.pt2": static.read_bytes()})
     with pytest.raises(ExportError, match=r"aoti/prefill.pt2 was built with libstdc\+\+ linked statically"):
         load_exported(pkg)
