@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", help="draft HF checkpoint directory (default: the embedded pair)")
     e.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=4, help="draft tokens per step (1..16)")
     e.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="comma-separated batch sizes (default 1,4,8)")
-    e.add_argument("--max-len", type=int, default=512, help="longest prompt + output a request may reach")
+    e.add_argument("--max-len", type=int, default=None,
+                   help="longest prompt + output a request may reach (default 512, at most the models' window)")
     e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     e.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found); the package runs there only")
     e.add_argument("-o", "--output", required=True, help="the package to write (e.g. pair.pt2)")

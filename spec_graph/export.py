@@ -378,7 +378,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, batch_sizes=(1, 4, 8),
-                max_len: int = 512, dtype: str = "auto", device: str | None = None, progress: bool = True,
+                max_len: int | None = None, dtype: str = "auto", device: str | None = None, progress: bool = True,
                 stream=None, sampling: bool = False) -> dict:
     """Export the prefill and the greedy step (and, with ``sampling=True``, the sampling step) to ``out``.
 
@@ -507,7 +507,8 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION,
             "spec_graph_version": __version__, "torch_version": torch.__version__,
-            "num_speculative_tokens": K, "batch_sizes": sizes, "max_len": cfg.max_len, "rows": dec.rows,
+            "num_speculative_tokens": K, "batch_sizes": sizes, "max_len": dec.config.max_len, "window": dec.window,
+            "rows": dec.rows,
             "cache_len": dec.cache_len, "dtype": str(tw[names_t[0]].dtype).removeprefix("torch."),
             "device": dev.type, "vocab_size": dec.vocab_size, "eos_token_ids": list(dec.eos_token_ids),
             "weights": names_t + names_d, "weight_bytes": len(blob),
@@ -600,6 +601,7 @@ class ExportedRunner(DecoderBase):
         use_graphs = plat.supports_graphs and config.enable_graph is not False
         super().__init__(config, meta["vocab_size"], plat.device, plat, tokenizer, meta["eos_token_ids"],
                          use_graphs=use_graphs, rows=meta["rows"])
+        self.window = meta.get("window")  # the pair's max_position_embeddings
 
     def _no_sampling(self) -> ExportError:
         return ExportError(f"{self.path} holds only the greedy step (it was exported without --sampling): use "
