@@ -1,0 +1,32 @@
+"""The shared libraries an ELF shared object links (its DT_NEEDED entries), read from its bytes."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+def _elf_needed(data: bytes) -> list[str] | None:
+    """The DT_NEEDED libraries of a 64-bit little-endian ELF shared object; None for anything else."""
+    if data[:6] != b"\x7fELF\x02\x01":
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQII", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _, sh_type, _, _, off, size, link, _ in sections:
+        if sh_type != 6:  # SHT_DYNAMIC
+            continue
+        stroff = sections[link][4]
+        for at in range(off, off + size, 16):
+            tag, val = struct.unpack_from("<qQ", data, at)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                needed.append(data[stroff + val: data.index(b"\0", stroff + val)].decode())
+    return needed
+
+
+def _process_links_libstdcxx() -> bool:
+    try:
+        return "libstdc++.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
