@@ -154,7 +154,8 @@ def make_pair(root: Path):
 
     dirs = []
     for name, dims, seed in (("target", TARGET, 0), ("draft", DRAFT, 1)):
-        cfg = transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False,
+        # a window that covers the --table's longest cache (32768): larger max_len values warn otherwise
+        cfg = transformers.LlamaConfig(max_position_embeddings=40960, tie_word_embeddings=False,
                                        eos_token_id=None, bos_token_id=None, **dims)
         cfg.architectures = ["LlamaForCausalLM"]
         torch.manual_seed(seed)
