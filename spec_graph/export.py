@@ -64,7 +64,7 @@ import torch
 from . import __version__, platform
 from .config import SpecGraphConfig
 from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
-from .export_progress import _STAGE_COST, _Progress  # noqa: F401
+from .export_progress import _Progress
 from .runtime import WRITEBACK, DecoderBase
 from .step import STATE_FIELDS
 

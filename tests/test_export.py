@@ -103,7 +103,7 @@ def test_export_prints_a_bar_per_artifact_with_eta_and_a_summary(exported):
 
 
 def test_progress_eta_counts_down_on_a_terminal():
-    from spec_graph.export import _STAGE_COST, _Progress
+    from spec_graph.export_progress import _STAGE_COST, _Progress
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -11,7 +11,7 @@ import torch
 from ._triton import tl, triton
 
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER
-from .rejection_sample import MAX_BLOCK_V, residual_race, tl_residual_race
+from .rejection_sample import MAX_BLOCK_V, draft_token_probs, residual_race, tl_draft_probs, tl_residual_race
 from .rng import (_TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, block_for, hash_uniform, num_programs, tl_hash_uniform,
                   use_kernel, wrap_triton)
 
@@ -44,11 +44,7 @@ def _block_verify_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds_ptr
         seed = tl.load(seeds_ptr + b)
         step = tl.load(steps_ptr + b)
         k_lim = tl.where(is_active, K, 0)
-        d = tl.load(draft_ptr + b * K + offs, mask=offs < K, other=0)
-        ok_id = (offs < k_lim) & (d >= 0) & (d < V)
-        d_safe = tl.where(ok_id, d, 0)
-        q = tl.load(draft_probs_ptr + (b * K + offs) * V + d_safe, mask=ok_id, other=0.0)
-        p = tl.load(target_probs_ptr + (b * K1 + offs) * V + d_safe, mask=ok_id, other=0.0)
+        d, ok_id, q, p = tl_draft_probs(b, k_lim, offs, draft_ptr, draft_probs_ptr, target_probs_ptr, K, K1, V)
         ratio = tl.where(ok_id & (q > 0), tl.math.div_rn(p, tl.where(q > 0, q, 1.0)), 0.0)  # IEEE, as torch
         u = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, offs.to(tl.int64), _TL_ACCEPT_COL)
 
@@ -87,11 +83,7 @@ def _block_verify_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds_ptr
 def block_weights(draft_token_ids, draft_probs, target_probs, active):
     """(w [B, K+1], h [B, K]) of the kernel docstring, in torch (float32, h_i at index i - 1)."""
     B, K = draft_token_ids.shape
-    V = target_probs.shape[-1]
-    ok_id = (draft_token_ids >= 0) & (draft_token_ids < V) & active[:, None]
-    d_safe = torch.where(ok_id, draft_token_ids, 0)
-    q = draft_probs.gather(2, d_safe[:, :, None])[:, :, 0]
-    p = target_probs[:, :K].gather(2, d_safe[:, :, None])[:, :, 0]
+    ok_id, q, p = draft_token_probs(draft_token_ids, draft_probs, target_probs, active)
     ratio = torch.where(ok_id & (q > 0), p / torch.where(q > 0, q, torch.ones_like(q)), torch.zeros_like(q))
     w = [torch.ones(B, dtype=torch.float32, device=ratio.device)]
     for j in range(K):

@@ -19,6 +19,29 @@ _TL_ACCEPT_COL = tl.constexpr(ACCEPT_COL)
 
 
 @triton.jit
+def tl_draft_probs(b, k_lim, offs, draft_ptr, draft_probs_ptr, target_probs_ptr, K, K1, V):
+    """Row b's drafts d (lanes offs < K) and, at each draft token, q = draft_probs[b, j, d_j] and
+    p = target_probs[b, j, d_j]; ok_id marks lanes j < k_lim (0 on inactive rows) whose d_j is in [0, V).
+    The twin of `draft_token_probs`."""
+    d = tl.load(draft_ptr + b * K + offs, mask=offs < K, other=0)
+    ok_id = (offs < k_lim) & (d >= 0) & (d < V)
+    d_safe = tl.where(ok_id, d, 0)
+    q = tl.load(draft_probs_ptr + (b * K + offs) * V + d_safe, mask=ok_id, other=0.0)
+    p = tl.load(target_probs_ptr + (b * K1 + offs) * V + d_safe, mask=ok_id, other=0.0)
+    return d, ok_id, q, p
+
+
+def draft_token_probs(draft_token_ids, draft_probs, target_probs, active):
+    """(ok_id, q, p) [B, K]: drafts in [0, V) on active rows, and q / p at each draft token (read at token 0
+    where not ok_id: callers mask with it)."""
+    K = draft_token_ids.shape[1]
+    V = target_probs.shape[-1]
+    ok_id = (draft_token_ids >= 0) & (draft_token_ids < V) & active[:, None]
+    d_safe = torch.where(ok_id, draft_token_ids, 0)[:, :, None]
+    return ok_id, draft_probs.gather(2, d_safe)[:, :, 0], target_probs[:, :K].gather(2, d_safe)[:, :, 0]
+
+
+@triton.jit
 def tl_residual_race(tp_row, dp_row, scale, v_lim, vd_lim, seed, step, pos, BLOCK_V: tl.constexpr):
     """Token from the race over r_v = max(scale * tp_row[v] - dp_row[v], 0) at `pos` (v < v_lim; dp_row read
     for v < vd_lim, else 0), or over tp_row where every r_v is 0: one pass over the vocabulary in BLOCK_V
@@ -91,11 +114,7 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
         # masks come from per-row limits (0 on inactive rows), not `block & scalar_bool`,
         # whose broadcast the Triton interpreter mis-types
         k_lim = tl.where(is_active, K, 0)
-        d = tl.load(draft_ptr + b * K + offs, mask=offs < K, other=0)
-        ok_id = (offs < k_lim) & (d >= 0) & (d < V)
-        d_safe = tl.where(ok_id, d, 0)
-        q = tl.load(draft_probs_ptr + (b * K + offs) * V + d_safe, mask=ok_id, other=0.0)
-        p = tl.load(target_probs_ptr + (b * K1 + offs) * V + d_safe, mask=ok_id, other=0.0)
+        d, ok_id, q, p = tl_draft_probs(b, k_lim, offs, draft_ptr, draft_probs_ptr, target_probs_ptr, K, K1, V)
         u = tl_hash_uniform(seed, step, _TL_REQUEST_ROW, offs.to(tl.int64), _TL_ACCEPT_COL)
         accept = ok_id & (q > 0) & (u * q <= p)
         n = tl.min(tl.where((offs < K) & (accept == 0), offs, K), axis=0)
@@ -117,14 +136,9 @@ def rejection_sample_ref(draft_token_ids, draft_probs, target_probs, seeds, step
     B, K = draft_token_ids.shape
     V = target_probs.shape[-1]
     dev = draft_token_ids.device
-    rows = torch.full((B,), REQUEST_ROW, dtype=torch.int64, device=dev)
     j = torch.arange(K, device=dev)[None, :]
-
-    ok_id = (draft_token_ids >= 0) & (draft_token_ids < V) & active[:, None]
-    d_safe = torch.where(ok_id, draft_token_ids, 0)
-    q = draft_probs.gather(2, d_safe[:, :, None])[:, :, 0]
-    p = target_probs[:, :K].gather(2, d_safe[:, :, None])[:, :, 0]
-    u = hash_uniform(seeds[:, None], steps[:, None], rows[:, None], j, ACCEPT_COL)
+    ok_id, q, p = draft_token_probs(draft_token_ids, draft_probs, target_probs, active)
+    u = hash_uniform(seeds[:, None], steps[:, None], REQUEST_ROW, j, ACCEPT_COL)
     accept = ok_id & (q > 0) & (u * q <= p)
     n = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # first rejection, or K
 
