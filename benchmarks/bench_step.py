@@ -299,7 +299,7 @@ def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, b
 
     dec.graphs.capture = capture
     dec._capture(True)
-    assert all((True, b) in dec.graphs for b in batch_sizes), dec.graphs.failed
+    assert all((True, b, K) in dec.graphs for b in batch_sizes), dec.graphs.failed
     return dec
 
 

@@ -37,6 +37,15 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _k_value(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer 1..16 or 'auto', got {text!r}") from None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other error
         print(f"spec-graph: error: {message} (see {self.prog} --help)", file=sys.stderr)
@@ -54,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a text prompt (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", type=_int_list, help="comma-separated token ids (repeatable)")
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None,
-                   help="draft tokens per step (1..16, default 4)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=_k_value, default=None,
+                   help="draft tokens per step (1..16, default 4), or auto: chosen before each step from the "
+                        "measured acceptance and step time")
+    g.add_argument("--max-speculative-tokens", type=int, default=None,
+                   help="with -k auto, the largest K it may choose (1..16, default 8)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; the embedded pair was trained on "
                         f"{DEFAULT_PAIR_TRAINED_LEN}-token windows)")
@@ -81,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a self-contained .pt2 of the prefill and the step (AOTInductor)")
     e.add_argument("--target", help="target HF checkpoint directory (default: the embedded pair)")
     e.add_argument("--draft", help="draft HF checkpoint directory (default: the embedded pair)")
-    e.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=4, help="draft tokens per step (1..16)")
+    e.add_argument("-k", "--num-speculative-tokens", dest="k", type=_k_value, default=4,
+                   help="draft tokens per step (1..16)")
     e.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="comma-separated batch sizes (default 1,4,8)")
     e.add_argument("--max-len", type=int, default=None,
                    help="longest prompt + output a request may reach (default 512, at most the models' window)")
@@ -105,7 +118,8 @@ def _pair(a) -> tuple[str, str]:
 def _load_exported(a):
     from .export import load_exported
 
-    fixed = [f for f, v in (("--target", a.target), ("--draft", a.draft), ("-k", a.k), ("--max-len", a.max_len),
+    fixed = [f for f, v in (("--target", a.target), ("--draft", a.draft), ("-k", a.k),
+                            ("--max-speculative-tokens", a.max_speculative_tokens), ("--max-len", a.max_len),
                             ("--dtype", a.dtype), ("--verification", a.verification)) if v is not None]
     if fixed:
         raise ValueError(f"with --exported the package fixes the models, K, max_len, dtype and the (token) "
@@ -221,7 +235,10 @@ def _generate(a) -> int:
                 print(f"spec-graph: warning: the embedded pair was trained on {DEFAULT_PAIR_TRAINED_LEN}-token "
                       f"windows; prompt + --max-new-tokens = {longest + a.max_new_tokens} goes past them, where "
                       "its acceptance and text degrade", file=sys.stderr)
-        cfg = SpecGraphConfig(num_speculative_tokens=a.k,
+        if a.max_speculative_tokens is not None and a.k != "auto":
+            raise ValueError("--max-speculative-tokens bounds -k auto: add -k auto, or drop it")
+        cfg = SpecGraphConfig(num_speculative_tokens=a.k, **({} if a.max_speculative_tokens is None else
+                                                             {"max_speculative_tokens": a.max_speculative_tokens}),
                               max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,
                               max_len=a.max_len, dtype=a.dtype or "auto", device=a.device,
                               verification=a.verification or "token")
@@ -239,7 +256,8 @@ def _generate(a) -> int:
             "stats": {"acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step,
                       "steps": s.steps, "request_steps": s.request_steps,
                       "acceptance_rate_per_position": s.acceptance_rate_per_position,
-                      "generated_tokens": s.generated_tokens, "wall_time_s": s.wall_time_s},
+                      "generated_tokens": s.generated_tokens, "wall_time_s": s.wall_time_s,
+                      "k_per_step": s.k_per_step},
         }))
     else:
         for i, r in enumerate(out):
@@ -250,7 +268,8 @@ def _generate(a) -> int:
             else:  # text prompts are echoed, so the completion reads in context
                 print((prompts[i] if isinstance(prompts[i], str) else "") + r.text)
         if not a.quiet:
-            print(f"[spec-graph] K={a.k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
+            k = f"auto (mean {sum(s.k_per_step) / len(s.k_per_step):.2f})" if a.k == "auto" and s.k_per_step else a.k
+            print(f"[spec-graph] K={k} acceptance={s.acceptance_rate:.3f} tokens/step={s.tokens_per_step:.2f} "
                   f"steps={s.steps} tokens={s.generated_tokens} time={s.wall_time_s:.2f}s", file=sys.stderr)
     failed = [i for i, r in enumerate(out) if r.finish_reason == "error"]
     if failed:

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 16
+AUTO = "auto"
+# K values adaptive speculation chooses among (those up to max_speculative_tokens, which is always one of them)
+K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+DEFAULT_MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_MAX_LEN = 512
 DEVICES = ("cuda", "npu", "cpu")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -22,7 +26,11 @@ def cache_length(max_len: int, num_speculative_tokens: int) -> int:
 class SpecGraphConfig:
     """Engine settings.
 
-    num_speculative_tokens: K, draft tokens proposed per step (1..16).
+    num_speculative_tokens: K, draft tokens proposed per step (1..16), or "auto": before each graph replay the
+        engine picks K from ``k_choices`` (one graph each per batch bucket, in one memory pool), the K with the
+        most expected committed tokens per second by a smoothed per-position acceptance estimate and each K's
+        step time measured when the graphs are captured.
+    max_speculative_tokens: the largest K "auto" may pick (1..16, default 8); ignored with a fixed K.
     max_batch_size: request slots decoded together; more prompts are queued.
     max_len: longest prompt + generated tokens a request may reach. None (the default) means 512, lowered
         to the models' window (max_position_embeddings) when that is shorter; a max_len given above the
@@ -38,7 +46,7 @@ class SpecGraphConfig:
         expectation). Greedy decoding is the same under both.
     """
 
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = 4
     max_batch_size: int = 8
     max_len: int | None = None
     dtype: str = "auto"
@@ -48,12 +56,20 @@ class SpecGraphConfig:
     steps_per_graph: int = 1
     passes: dict = field(default_factory=dict)
     verification: str = "token"
+    max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
 
     def __post_init__(self):
         k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if isinstance(k, str) and k.strip().lower() == AUTO:
+            self.num_speculative_tokens = AUTO
+        elif not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+                f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or \"auto\", got {k!r}"
+            )
+        m = self.max_speculative_tokens
+        if not _is_int(m) or not 1 <= m <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"max_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {m!r}"
             )
         if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")
@@ -73,8 +89,25 @@ class SpecGraphConfig:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
     @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def k_choices(self) -> tuple[int, ...]:
+        """The K values the step is built for: the one K, or "auto"'s set up to max_speculative_tokens."""
+        if not self.adaptive:
+            return (self.num_speculative_tokens,)
+        m = self.max_speculative_tokens
+        return tuple(sorted({k for k in K_CHOICES if k < m} | {m}))
+
+    @property
+    def max_k(self) -> int:
+        """The largest K a step may use: buffers and caches are sized for it."""
+        return self.k_choices[-1]
+
+    @property
     def cache_len(self) -> int:
-        return cache_length(self.max_len, self.num_speculative_tokens)
+        return cache_length(self.max_len, self.max_k)
 
     def bucket_for(self, batch: int) -> int:
         """The smallest bucket holding `batch` rows (the batch itself above the largest bucket)."""

@@ -27,6 +27,8 @@ log = logging.getLogger("spec_graph")
 # pattern match, and a step the pass no longer matches still computes the same tokens with the
 # unfused reference ops: only the pass's count tells the two apart.
 EXPECTED_FUSION = {True: "fuse_greedy_accept", False: "fuse_prepare_next"}
+# Compiles of the one step function: 2 modes x (batch 1, symbolic batch) x each K of "auto", with room to spare.
+RECOMPILE_LIMIT = 64
 
 
 def check_fusions(reports: list, expected: str, mode: str, warned: set) -> None:
@@ -127,11 +129,13 @@ class SpecDecoder(DecoderBase):
             logits = self.target(toks, pos, *self.target_kv, slots=slots)
             return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
 
-    def _step_fn(self, greedy: bool):
-        """The one-step function over static buffers: eager, or compiled by the spec_graph backend."""
-        fn = self._fns.get(greedy)
+    def _step_fn(self, greedy: bool, K: int | None = None):
+        """The one-step function of K drafts (default: the largest) over static buffers: eager, or compiled by
+        the spec_graph backend."""
+        K = self.K if K is None else K
+        fn = self._fns.get((greedy, K))
         if fn is None:
-            draft, target, K, compiled = self.draft, self.target, self.K, self.compiled
+            draft, target, compiled = self.draft, self.target, self.compiled
             verification = self.config.verification
 
             def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
@@ -159,7 +163,10 @@ class SpecDecoder(DecoderBase):
                     if st["tail"].shape[0] > 1:
                         for t in (*st.values(), out_buf, acc_log):
                             torch._dynamo.maybe_mark_dynamic(t, 0)
-                    out = compiled_step(st, out_buf, acc_log, *rest)
+                    # One function compiled per (mode, K, batch 1 or symbolic): past dynamo's default limit
+                    # on recompiles of one function with "auto", so the limit is raised for these calls only.
+                    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                        out = compiled_step(st, out_buf, acc_log, *rest)
                     # A compile happens inside a call (the first, a new bucket shape, a recompile) and leaves its
                     # counts here. Host-side Python only, no device read; any other call: one empty-list test.
                     if reports:
@@ -169,6 +176,6 @@ class SpecDecoder(DecoderBase):
                         reports.clear()
                     return out
 
-            self._fns[greedy] = fn
+            self._fns[(greedy, K)] = fn
         return fn
 

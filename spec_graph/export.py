@@ -260,6 +260,9 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
         raise ExportError(f"batch sizes must be positive integers, got {batch_sizes!r}") from None
     if not sizes or sizes[0] < 1:
         raise ExportError(f"batch sizes must be positive integers, got {list(batch_sizes)!r}")
+    if isinstance(num_speculative_tokens, str) and num_speculative_tokens.strip().lower() == "auto":
+        raise ExportError("an exported package fixes K: num_speculative_tokens='auto' (-k auto) needs the in-process "
+                          "engine; export with a fixed K, such as -k 4")
     modes = MODES if sampling else MODES[:1]
     cfg = SpecGraphConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=sizes[-1], max_len=max_len,
                           dtype=dtype, device=device, batch_buckets=tuple(sizes), enable_graph=False)
@@ -519,7 +522,7 @@ class ExportedRunner(DecoderBase):
             return self._prefill_fn(*self.weights, toks.contiguous(), pos.contiguous(), slots.contiguous(),
                                     lens.contiguous(), *self.draft_kv, *self.target_kv)
 
-    def _step_fn(self, greedy: bool):
+    def _step_fn(self, greedy: bool, K: int | None = None):
         if not greedy and not self.sampling:
             raise self._no_sampling()
 

@@ -53,6 +53,10 @@ class Platform:
         free, _ = self._mod.mem_get_info(self.device)
         return int(free)
 
+    def memory_reserved(self) -> int | None:
+        """Bytes the caching allocator holds on this device (graph pools included); None on CPU."""
+        return None if self._mod is None else int(self._mod.memory_reserved(self.device))
+
     def max_programs(self) -> int:
         if self.name == "npu":
             try:

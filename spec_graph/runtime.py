@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from .adaptive import KChooser
 from .capture import GraphSet
 from .config import SpecGraphConfig, check_window
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
@@ -44,6 +45,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or a stop id, included in token_ids), "length" or "error"
     prompt_token_ids: list[int] = field(default_factory=list)
     accepted_counts: list[int] = field(default_factory=list)  # drafts accepted at each of its steps
+    k_per_step: list[int] = field(default_factory=list)  # drafts proposed (K) at each of its steps
 
 
 @dataclass
@@ -62,13 +64,14 @@ class GenerationStats:
     """
 
     acceptance_rate: float  # accepted / proposed draft tokens
-    acceptance_rate_per_position: list[float]  # P(draft position j accepted)
+    acceptance_rate_per_position: list[float]  # P(draft position j accepted), over the steps that proposed it
     tokens_per_step: float  # generated_tokens / request_steps (see above)
     steps: int  # speculative steps run (each is one target forward over the batch)
     prefills: int  # prefill forwards run
     generated_tokens: int
     wall_time_s: float
     request_steps: int = 0  # per request: 1 (its prefill) + the speculative steps it took part in
+    k_per_step: list[int] = field(default_factory=list)  # K of each step (num_speculative_tokens="auto" varies it)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -102,8 +105,9 @@ class DecoderBase:
     A subclass implements ``_new_kv_caches(rows, cache_len) -> (target_kv, draft_kv)``,
     ``_prefill_forward(toks, pos, slots, lens) -> float32 logits [n, V]`` at each
     prompt's last token (writing both models' caches for those slots) and
-    ``_step_fn(greedy)`` returning ``fn(state, out_buf, acc_log, stop_ids, draft_kv, target_kv)``
-    that runs one step over ``B = state["tail"].shape[0]`` rows, updating every argument in place.
+    ``_step_fn(greedy, K)`` returning ``fn(state, out_buf, acc_log, stop_ids, draft_kv, target_kv)``
+    that runs one step of ``K`` drafts over ``B = state["tail"].shape[0]`` rows, updating every argument
+    in place.
     Where ``capture_prefill`` is set and graphs exist, short prefills replay a graph per (rows, length).
     """
 
@@ -117,8 +121,9 @@ class DecoderBase:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.device, self.platform = device, plat
-        K, S = config.num_speculative_tokens, config.max_batch_size
-        self.K = K
+        S = config.max_batch_size
+        # K: the largest K a step uses (buffers, stats); k_choices: the K values with a step (one unless "auto")
+        self.K, self.k_choices = config.max_k, config.k_choices
         # state rows: room for the largest bucket the slots may need (an export fixes its own)
         self.rows = rows or config.bucket_for(S)
         self.cache_len = config.cache_len
@@ -142,6 +147,14 @@ class DecoderBase:
         self._new_prefill_graphs()
         self._captured_modes: set = set()
         self._fallback_warned = False
+        # Adaptive K: seconds per step at {(greedy, bucket, K)}, measured once at capture (an entry set beforehand
+        # is kept, so a caller can fix the table); the device counters the chooser reads (see adaptive.py);
+        # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
+        self.step_times: dict = {}
+        self._timed: set = set()  # the step_times entries measured here
+        self.k_counts = torch.zeros(2 * self.K, dtype=torch.long, device=dev)
+        self._depth = torch.arange(self.K, device=dev)
+        self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
         self._generate_lock = threading.Lock()
 
@@ -156,7 +169,7 @@ class DecoderBase:
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
         raise NotImplementedError
 
-    def _step_fn(self, greedy: bool):
+    def _step_fn(self, greedy: bool, K: int):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ validation
@@ -268,16 +281,71 @@ class DecoderBase:
         st = {k: v[:B] for k, v in self.state.items()}
         return st, self.out_buf[:B], self.acc_log[:B], self.stop_buf, self.draft_kv, self.target_kv
 
+    def _buckets(self) -> list[int]:
+        return sorted({b for b in self.config.batch_buckets if b <= self.rows} | {self.rows}, reverse=True)
+
+    def _steps_fn(self, greedy: bool, B: int, K: int):
+        """The N-step callable over rows [0, B) with K drafts; with "auto" it also counts, on the device, the
+        row-steps that reached and that accepted each draft position (the chooser's input)."""
+        fn, args, N = self._step_fn(greedy, K), self._step_args(B), self.config.steps_per_graph
+        if not self.config.adaptive:
+            return lambda: [fn(*args) for _ in range(N)]
+        st, acc_log, counts, depth = args[0], args[2], self.k_counts.view(2, -1), self._depth
+        last_col = acc_log.shape[1] - 1
+
+        def run():
+            for _ in range(N):
+                before = st["steps"].clone()
+                fn(*args)
+                ok = (st["steps"] != before)[:, None] & (depth < K)  # rows that took the step, positions proposed
+                acc = acc_log.gather(1, (before - 1).clamp(0, last_col)[:, None])  # drafts accepted in it
+                counts[0] += (ok & (acc >= depth)).sum(0)
+                counts[1] += (ok & (acc > depth)).sum(0)
+        return run
+
     def _capture(self, greedy: bool) -> None:
-        """Capture every bucket's N-step graph, while no row is active (warm-up runs for real)."""
-        if self.graphs is None or greedy in self._captured_modes:
+        """Capture every (bucket, K) N-step graph, while no row is active (warm-up runs for real); with "auto",
+        time each one. Without graphs, "auto" still times each (bucket, K) step, uncaptured."""
+        if greedy in self._captured_modes:
             return
-        fn, N = self._step_fn(greedy), self.config.steps_per_graph
+        plat = self.platform
         with torch.inference_mode():
-            for b in sorted((b for b in self.config.batch_buckets if b <= self.rows), reverse=True):
-                args = self._step_args(b)
-                self.graphs.capture((greedy, b), lambda a=args: [fn(*a) for _ in range(N)])
+            for K in self.k_choices:
+                if self.graphs is None:
+                    break
+                t0, mem0 = time.perf_counter(), plat.memory_reserved()
+                for b in self._buckets():
+                    if b in self.config.batch_buckets:
+                        self.graphs.capture((greedy, b, K), self._steps_fn(greedy, b, K))
+                mem1 = plat.memory_reserved()
+                rep = self.capture_report.setdefault(K, {"capture_s": 0.0, "memory_bytes": None})
+                rep["capture_s"] += time.perf_counter() - t0
+                if mem0 is not None:
+                    rep["memory_bytes"] = (rep["memory_bytes"] or 0) + mem1 - mem0
+                log.info("spec-graph: K=%d graphs (%s steps) built in %.1fs%s", K, "greedy" if greedy else "sampling",
+                         time.perf_counter() - t0, "" if mem0 is None else f", pool +{(mem1 - mem0) / 2**20:.1f} MiB")
+            if self.config.adaptive:
+                self._time_steps(greedy)
         self._captured_modes.add(greedy)
+
+    def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
+        """Seconds per step of each (bucket, K), fixed from here on (the chooser stays deterministic)."""
+        plat, N = self.platform, self.config.steps_per_graph
+        for b in self._buckets():
+            for K in self.k_choices:
+                key = (greedy, b, K)
+                if key in self.step_times:
+                    continue
+                graph = self.graphs is not None and key in self.graphs
+                run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
+                run()  # warm (uncaptured: the first call may compile)
+                plat.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                plat.synchronize()
+                self.step_times[key] = (time.perf_counter() - t0) / (repeats * N)
+                self._timed.add(key)
 
     def reset_graphs(self, steps_per_graph: int | None = None) -> None:
         """Drop the captured graphs (re-captured at the next generate), optionally with a new N.
@@ -293,10 +361,20 @@ class DecoderBase:
         self._new_prefill_graphs()
         self._captured_modes.clear()
         self._fallback_warned = False
+        for key in self._timed:  # re-measured at the next capture; entries a caller set stay
+            self.step_times.pop(key, None)
+        self._timed.clear()
 
-    def _run_steps(self, B: int, greedy: bool) -> None:
-        """N speculative steps over rows [0, B): one graph replay where a graph exists."""
-        key = (greedy, B)
+    def _times_for(self, greedy: bool, B: int) -> dict[int, float]:
+        """{K: seconds per step} of the measured bucket nearest above B (else the largest)."""
+        measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
+        b = next((m for m in measured if m >= B), measured[-1] if measured else B)
+        return {K: self.step_times[(greedy, b, K)] for K in self.k_choices if (greedy, b, K) in self.step_times}
+
+    def _run_steps(self, B: int, greedy: bool, K: int | None = None) -> None:
+        """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists."""
+        K = self.K if K is None else K
+        key = (greedy, B, K)
         if self.graphs is not None and key in self.graphs:
             self.graphs.replay(key)
             return
@@ -304,10 +382,8 @@ class DecoderBase:
             self._fallback_warned = True
             why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
             log.warning("spec-graph: running the step uncaptured (%s)", why)
-        fn, args = self._step_fn(greedy), self._step_args(B)
         with torch.inference_mode():
-            for _ in range(self.config.steps_per_graph):
-                fn(*args)
+            self._steps_fn(greedy, B, K)()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -359,6 +435,10 @@ class DecoderBase:
         owner: list[int | None] = [None] * S
         results: list[GenerationResult | None] = [None] * len(encoded)
         steps = prefills = 0
+        chooser = KChooser(self.k_choices) if self.config.adaptive else None
+        self.k_counts.zero_()  # the chooser starts from nothing each call: the same seed, the same Ks
+        k_per_step: list[int] = []
+        slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
 
         def finish(slots: list[int]) -> None:
             if not slots:
@@ -375,8 +455,10 @@ class DecoderBase:
                     reason = "stop"
                 else:
                     reason = "length"
-                results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r], accs[j][: nsteps[j] - 1])
+                n = nsteps[j] - 1
+                results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r], accs[j][:n], slot_ks[s][:n])
                 owner[s] = None
+                slot_ks[s] = []
 
         total = len(encoded) * max_new_tokens
 
@@ -402,15 +484,26 @@ class DecoderBase:
                 if progress is not None:
                     report()
                 continue
-            B = self.config.bucket_for(max(busy) + 1)
-            self._run_steps(B, params.greedy)
-            steps += self.config.steps_per_graph
-            active = self.state["active"][:B].tolist()  # the one host read per replay
+            B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
+            K = chooser.choose(self._times_for(params.greedy, B)) if chooser else self.K
+            self._run_steps(B, params.greedy, K)
+            steps += N
+            k_per_step += [K] * N
+            for s in busy:
+                slot_ks[s] += [K] * N
+            if chooser:  # the one host read per replay: which rows are active, and the chooser's counters
+                read = torch.cat((self.state["active"][:B].long(), self.k_counts)).tolist()
+                active = read[:B]
+                chooser.observe(read[B:])
+            else:
+                active = self.state["active"][:B].tolist()  # the one host read per replay
             finish([s for s in busy if not active[s]])
             if progress is not None:
                 report()
 
-        return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0))
+        stats = self._stats(results, steps, prefills, time.perf_counter() - t0)
+        stats.k_per_step = k_per_step
+        return GenerationOutput(results, stats)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -419,13 +512,14 @@ class DecoderBase:
 
     def _stats(self, results, steps: int, prefills: int, wall: float) -> GenerationStats:
         counts = [a for r in results for a in r.accepted_counts]
-        K = self.K
+        ks = [k for r in results for k in r.k_per_step]
         n = len(counts)
-        per_pos = [sum(a > j for a in counts) / n if n else 0.0 for j in range(K)]
+        proposed = [sum(k > j for k in ks) for j in range(self.K)]  # steps that proposed draft position j
+        per_pos = [sum(a > j for a in counts) / m if m else 0.0 for j, m in enumerate(proposed)]
         generated = sum(len(r.token_ids) for r in results)
         request_steps = n + len(results)  # each request's speculative steps, plus its prefill
         return GenerationStats(
-            acceptance_rate=sum(counts) / (n * K) if n else 0.0,
+            acceptance_rate=sum(counts) / sum(ks) if n else 0.0,
             acceptance_rate_per_position=per_pos,
             tokens_per_step=generated / request_steps if request_steps else 0.0,
             steps=steps,

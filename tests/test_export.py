@@ -384,7 +384,7 @@ def test_loaded_step_is_captured_per_bucket(exported, reference):
                             base.tokenizer, base._workdir, base.path)
     out = runner.generate(PROMPTS, max_new_tokens=20)
     assert [r.token_ids for r in out] == [r.token_ids for r in reference()]
-    assert set(runner.graphs.graphs) == {(True, b) for b in SIZES}
+    assert set(runner.graphs.graphs) == {(True, b, K) for b in SIZES}
     assert plat.events.count("record") == len(SIZES) and plat.events.count("replay") == out.stats.steps
 
 
@@ -481,7 +481,7 @@ def test_cuda_export_serves_every_batch_size_with_one_step(tmp_path, llama_pair)
         eager.config.max_batch_size = slots
         out = runner.generate(PROMPTS, max_new_tokens=20)
         assert [r.token_ids for r in out] == [r.token_ids for r in eager.generate(PROMPTS, max_new_tokens=20)]
-        assert set(runner.graphs.graphs) == {(True, b) for b in SIZES} and not runner.graphs.failed
+        assert set(runner.graphs.graphs) == {(True, b, K) for b in SIZES} and not runner.graphs.failed
 
 
 @pytest.mark.parametrize("output, needle", [

@@ -54,8 +54,26 @@ def test_captured_near_draft_fp32_equals_hf(llama_pair):
     prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63]]
     out = dec.generate(prompts, 20)
     assert [r.token_ids for r in out] == [hf_greedy(target, p, 20) for p in prompts]
-    assert set(dec.graphs.graphs) == {(True, 4)} and not dec.graphs.failed
+    assert set(dec.graphs.graphs) == {(True, 4, 3)} and not dec.graphs.failed
     assert_every_count(out, 3)
+
+
+def test_captured_auto_k_fp32_equals_hf(llama_pair):
+    """num_speculative_tokens="auto", compiled and captured: one graph per (bucket, K), each timed on the device;
+    HF's greedy tokens, each step's accepted count within its K."""
+    target, draft = llama_pair
+    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens="auto",
+                                                                     max_speculative_tokens=3, max_len=64,
+                                                                     dtype="float32", max_batch_size=4,
+                                                                     batch_buckets=(1, 4)))
+    prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63]]
+    out = dec.generate(prompts, 20)
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, 20) for p in prompts]
+    keys = {(True, b, k) for b in (1, 4) for k in (1, 2, 3)}
+    assert set(dec.graphs.graphs) == keys and not dec.graphs.failed and set(dec.step_times) == keys
+    assert set(dec.capture_report) == {1, 2, 3}
+    assert all(r["capture_s"] > 0 and r["memory_bytes"] is not None for r in dec.capture_report.values())
+    assert all(a <= k for r in out for a, k in zip(r.accepted_counts, r.k_per_step))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +84,7 @@ def captured():
 def test_captured_equals_eager_bf16(captured, eager_bf16):
     assert captured.graphs is not None
     out = captured.generate(PROMPTS, 48)
-    assert set(captured.graphs.graphs) == {(True, 1), (True, 2), (True, 4)} and not captured.graphs.failed
+    assert set(captured.graphs.graphs) == {(True, 1, 4), (True, 2, 4), (True, 4, 4)} and not captured.graphs.failed
     assert [r.token_ids for r in out] == eager_bf16
     assert out.stats.acceptance_rate > 0.5
     assert_every_count(out, 4)
@@ -92,7 +110,7 @@ def test_oversized_batch_falls_back(captured, eager_bf16, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="spec_graph"):
             out = captured.generate(PROMPTS, 48)
-        assert set(captured.graphs.graphs) == {(True, 1), (True, 2)}
+        assert set(captured.graphs.graphs) == {(True, 1, 4), (True, 2, 4)}
         assert [r.token_ids for r in out] == eager_bf16
         assert len([r for r in caplog.records if "uncaptured" in r.getMessage()]) == 1
     finally:
@@ -118,7 +136,7 @@ def test_export_bench_pair_loaded_and_captured(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 32000, (64,), generator=g).tolist() for _ in range(2)]
     out = [r.token_ids for r in runner.generate(prompts, 48)]
-    assert set(runner.graphs.graphs) == {(True, 1)} and not runner.graphs.failed
+    assert set(runner.graphs.graphs) == {(True, 1, bench_step.K)} and not runner.graphs.failed
     del runner
     eager = SpecDecoder.from_pretrained(tdir, ddir, SpecGraphConfig(num_speculative_tokens=bench_step.K, max_len=256,
                                                                     dtype="float32", enable_graph=False))
@@ -153,5 +171,5 @@ def test_recorded_eager_step_and_prefills_equal_eager(eager_bf16):
     dec.compiled = False
     out = dec.generate(PROMPTS, 48)
     assert [r.token_ids for r in out] == eager_bf16
-    assert set(dec.graphs.graphs) == {(True, 4)} and not dec.graphs.failed
+    assert set(dec.graphs.graphs) == {(True, 4, 4)} and not dec.graphs.failed
     assert dec.prefill_graphs.graphs and not dec.prefill_graphs.failed

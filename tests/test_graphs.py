@@ -95,7 +95,7 @@ def test_captured_through_platform_seam(llama_pair, eager_tokens):
     records, step_replays = step_events(plat, dec, out)
     assert records == 3  # one graph per bucket
     assert step_replays == out.stats.steps  # every step ran as a replay
-    assert set(dec.graphs.graphs) == {(True, 1), (True, 2), (True, 4)}
+    assert set(dec.graphs.graphs) == {(True, 1, 3), (True, 2, 3), (True, 4, 3)}
 
 
 @pytest.mark.parametrize("n", [3, 8])

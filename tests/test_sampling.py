@@ -19,6 +19,7 @@ from scipy.stats import chisquare
 
 import spec_graph.step as step_mod
 from spec_graph import SpecDecoder, SpecGraphConfig, platform
+from spec_graph.adaptive import KChooser
 from spec_graph.kernels import PLACEHOLDER, race_sample, rejection_sample_ref
 from spec_graph.sampling import SCAN_BLOCK, cumsum_last, logits_to_probs
 
@@ -259,6 +260,38 @@ def test_near_draft_block_verification(near_pair, near_joints, monkeypatch, brok
     _, token_level = _check_near(_decoder(*near_pair, 2), near_joints)
     mean = lambda h: (h * np.arange(len(h))).sum() / h.sum()  # noqa: E731
     assert mean(accepted) >= mean(token_level) - 0.01, (accepted, token_level)
+
+
+class _ParityChooser(KChooser):
+    """K from the acceptance sampled so far (1 + its parity): a choice that depends on the random past, the way
+    "auto"'s does, switching often."""
+
+    def choose(self, times):
+        return 1 + sum(self._last) % 2
+
+
+@pytest.mark.parametrize("broken", [None, _bonus_from_wrong_position])
+def test_near_draft_adaptive_k(near_pair, near_joints, monkeypatch, broken):
+    """num_speculative_tokens="auto": K changes between replays as a function of what was sampled; the joint of
+    the first K_max+2 tokens is still the target's, every path at K=2 is sampled; broken rules are rejected."""
+    import spec_graph.runtime as runtime_mod
+
+    monkeypatch.setattr(runtime_mod, "KChooser", _ParityChooser)
+    if broken is not None:
+        monkeypatch.setattr(step_mod, "rejection_sample", broken)
+    dec = _decoder(*near_pair, "auto", max_speculative_tokens=2)
+    dec.step_times = {(False, 512, k): 1.0 for k in (1, 2)}
+    out = dec.generate([PROMPT] * N, max_new_tokens=4, seed=1234, temperature=1.0)
+    counts = np.zeros((V,) * 4)
+    for r in out:
+        counts[tuple(r.token_ids)] += 1
+    p = _pvalue(counts, near_joints[4])
+    if broken is not None:
+        assert p < P_OK
+        return
+    assert set(out.stats.k_per_step) == {1, 2}
+    at_k2 = np.bincount([a for r in out for a, k in zip(r.accepted_counts, r.k_per_step) if k == 2], minlength=3)
+    assert _every_path(at_k2) and p > P_OK, at_k2
 
 
 def test_block_verification_keeps_greedy_output(near_pair):

@@ -1,0 +1,276 @@
+"""End-to-end tokens/s of adaptive K and of block verification on the embedded default pair.
+
+    python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
+        [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--repeats 3]
+        [--device cuda] [--out benchmarks/RESULTS.md]
+
+Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
+training window):
+  (i)   stdlib: spans of the standard-library files the training script held out (its path-hash split)
+  (ii)  random: seeded random bytes, of the same lengths as (i)
+  (iii) mixed: (i) and (ii) alternating, so acceptance changes from one request to the next
+
+One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewer compiles; the tail of a
+batch runs padded to B). A B=1 engine runs its prompts one after another inside one generate call, so
+"auto" carries what it learnt from request to request. Greedy at each fixed K of --k-set and at K="auto"
+(max_speculative_tokens = the largest K of the set); at temperature 1.0, "token" vs "block" verification
+at each K of --sampling-ks ("auto" there compiles every K again per verification: left out by default). Each engine
+first runs a 4-token generate per mode (its compile and capture, timed apart). Each workload then runs
+once untimed and once timed per seed 0..--repeats-1; tokens/s = generated tokens / wall time of a timed
+generate call (prefills included; the median call), tokens/step and the K histogram pooled over them.
+
+Targets checked at the end: auto within 3% of the best fixed K on (i) and (ii); auto >= 1.10x K=4 on
+(iii); block tokens/step >= token tokens/step on every workload.
+
+CPU smoke check:
+    python benchmarks/bench_adaptive.py --device cpu --k-set 1,2 --batch-sizes 1 --prompts 2 \\
+        --max-new-tokens 16 --skip-sampling --out /tmp/x.md
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import random
+import statistics
+import sys
+import sysconfig
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from train_default_pair import load_corpus, make_prompts  # noqa: E402
+
+from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
+
+WORKLOADS = ("stdlib", "random", "mixed")
+SEED = 0
+MAX_LEN = 512
+AUTO = "auto"
+
+
+def progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def workloads(n: int) -> dict[str, list[list[int]]]:
+    _, val, _ = load_corpus(Path(sysconfig.get_paths()["stdlib"]), val_every=20, max_file_bytes=400_000)
+    stdlib = make_prompts(val, n, SEED, min_len=96, max_len=128)
+    if len(stdlib) < n:
+        sys.exit(f"only {len(stdlib)} held-out stdlib prompts found under {sysconfig.get_paths()['stdlib']}")
+    rng = random.Random(SEED)
+    rand = [[rng.randrange(256) for _ in p] for p in stdlib]
+    mixed = [p for pair in zip(stdlib, rand) for p in pair][:n]
+    return {"stdlib": stdlib, "random": rand, "mixed": mixed}
+
+
+def engine_plan(a) -> dict:
+    """{(K, verification): [modes]}, in build order; greedy is the same under both verifications."""
+    plan: dict = collections.defaultdict(list)
+    for k in [] if a.skip_greedy else a.k_set + [AUTO]:
+        plan[(k, "token")].append("greedy")
+    if not a.skip_sampling:
+        for k in a.sampling_ks:
+            for v in ("token", "block"):
+                plan[(k, v)].append("sampling")
+    return dict(plan)
+
+
+def build(k, verification: str, B: int, a) -> SpecDecoder:
+    kw = dict(max_speculative_tokens=max(a.k_set)) if k == AUTO else {}
+    cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=MAX_LEN, device=a.device,
+                          batch_buckets=(B,), verification=verification, steps_per_graph=a.steps_per_graph, **kw)
+    return SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", cfg)
+
+
+def measure(dec: SpecDecoder, prompts, temperature: float, a) -> dict:
+    """Over --repeats timed calls, seeds 0..repeats-1, each seed run once untimed first (its prefill graphs:
+    a seed may admit requests in other group sizes)."""
+    seeds = range(SEED, SEED + a.repeats)
+    gen = lambda s: dec.generate(prompts, a.max_new_tokens, temperature=temperature, seed=s)  # noqa: E731
+    for s in seeds:
+        gen(s)
+    rates, stats = [], []
+    for s in seeds:
+        t0 = time.perf_counter()
+        stats.append(gen(s).stats)
+        rates.append(stats[-1].generated_tokens / (time.perf_counter() - t0))
+    n = sum(s.generated_tokens for s in stats)
+    ks = [k for s in stats for k in (getattr(s, "k_per_step", None) or [])]
+    # tokens/s: the median call (a stray host stall stays out); the counts: pooled
+    return dict(tps=statistics.median(rates), tps_step=n / sum(s.request_steps for s in stats),
+                acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
+                kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
+
+
+def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> None:
+    k, verification = key
+    t0 = time.time()
+    dec = build(k, verification, B, a)
+    load_s, caps = time.time() - t0, []
+    for mode in modes:
+        temp = 0.0 if mode == "greedy" else 1.0
+        t1 = time.time()
+        dec.generate([prompts["stdlib"][0][:16]], 4, temperature=temp, seed=SEED)  # compile + capture
+        caps.append(f"{mode} {time.time() - t1:.1f} s")
+        for w in WORKLOADS:
+            res[(B, mode, k, verification, w)] = r = measure(dec, prompts[w], temp, a)
+            progress(f"  B={B} K={k} {verification} {mode} {w}: {r['tps']:.0f} tok/s, "
+                     f"{r['tps_step']:.2f} tok/step" + (f", mean K {r['kmean']:.2f}" if k == AUTO else ""))
+    line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
+    rep = getattr(dec, "capture_report", None)
+    if k == AUTO and rep:
+        mib = lambda m: f"{m / 2**20:.1f} MiB" if m is not None else "n/a"  # noqa: E731
+        line += "; capture_report: " + ", ".join(f"K={kk} {v['capture_s']:.2f} s {mib(v.get('memory_bytes'))}"
+                                                 for kk, v in sorted(rep.items()))
+    notes.append(line + f"; engine total {time.time() - t0:.1f} s")
+    progress(f"engine B={B} K={k} {verification} done in {time.time() - t0:.1f} s")
+    del dec
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fmt3(res, B, mode, k, v, field, spec):
+    cells = []
+    for w in WORKLOADS:
+        x = res.get((B, mode, k, v, w), {}).get(field)
+        cells.append(format(x, spec) if x is not None else "n/a")
+    return " / ".join(cells)
+
+
+def tables(res, a) -> list[str]:
+    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/step | acceptance | mean K |",
+         "|---|---|---|---|---|---|---|---|"]
+    rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
+    for B, mode, k, v in rows:
+        L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if k == AUTO else k} |")
+    L.append("")
+    order = lambda kv: (kv[0][0], kv[0][1] != "greedy", kv[0][3], WORKLOADS.index(kv[0][4]))  # noqa: E731
+    for (B, mode, k, v, w), r in sorted(res.items(), key=order):
+        if k == AUTO and r["khist"]:
+            hist = ", ".join(f"K={kk}: {n}" for kk, n in r["khist"].items())
+            L.append(f"- K used by auto, B={B} {mode} {v} {w}: {hist}")
+    return L
+
+
+def targets(res, a) -> list[str]:
+    L = []
+    ok = lambda c: "met" if c else "NOT met"  # noqa: E731
+    for B in a.batch_sizes:
+        for w in ("stdlib", "random"):
+            auto = res.get((B, "greedy", AUTO, "token", w))
+            fixed = {k: res[key]["tps"] for k in a.k_set if (key := (B, "greedy", k, "token", w)) in res}
+            if auto and fixed:
+                best = max(fixed, key=fixed.get)
+                ratio = auto["tps"] / fixed[best]
+                L.append(f"- B={B} {w}: auto {auto['tps']:.0f} tok/s vs best fixed K={best} {fixed[best]:.0f} "
+                         f"({ratio:.3f}x; target >= 0.97x): {ok(ratio >= 0.97)}")
+        auto, k4 = res.get((B, "greedy", AUTO, "token", "mixed")), res.get((B, "greedy", 4, "token", "mixed"))
+        if auto and k4:
+            ratio = auto["tps"] / k4["tps"]
+            L.append(f"- B={B} mixed: auto {auto['tps']:.0f} tok/s vs K=4 {k4['tps']:.0f} ({ratio:.3f}x; "
+                     f"target >= 1.10x): {ok(ratio >= 1.10)}")
+        for k in ([] if a.skip_sampling else a.sampling_ks):
+            for w in WORKLOADS:
+                t, b = res.get((B, "sampling", k, "token", w)), res.get((B, "sampling", k, "block", w))
+                if t and b:
+                    gain = b["tps_step"] / t["tps_step"] - 1
+                    L.append(f"- B={B} K={k} {w}, temperature 1: block {b['tps_step']:.3f} vs token "
+                             f"{t['tps_step']:.3f} tok/step ({gain:+.1%}; tok/s {b['tps'] / t['tps']:.3f}x): "
+                             f"{ok(b['tps_step'] >= t['tps_step'])}")
+    return L or ["- no target could be checked (variants missing)"]
+
+
+def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
+    cmd = "python benchmarks/bench_adaptive.py " + " ".join(sys.argv[1:])
+    L = [f"## bench_adaptive — {datetime.date.today().isoformat()}", "",
+         f"- device: {dev_name}; torch {torch.__version__}; triton {_triton_version()}",
+         f"- command: `{cmd}`",
+         f"- embedded default pair, max_len {MAX_LEN}, {a.max_new_tokens} new tokens, steps_per_graph "
+         f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
+         f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {a.repeats} timed generate "
+         f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; one bucket "
+         f"(B) per engine; whole run {elapsed / 60:.1f} min", ""]
+    L += tables(res, a)
+    L += ["", "Engines (load, first generate per mode = compile + capture):"] + notes
+    L += [f"- {k} failed: {v}" for k, v in errors.items()]
+    L += ["", "Targets:"] + targets(res, a)
+    return L
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # noqa: BLE001
+        return "n/a"
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k-set", default="1,2,3,4,6,8", help="fixed K values run greedy (auto goes up to the largest)")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompts", default="8,16", help="prompts per batch size (one value: the same for every B)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--sampling-ks", default="4", help="K values of the token vs block comparison")
+    ap.add_argument("--skip-sampling", action="store_true")
+    ap.add_argument("--skip-greedy", action="store_true", help="only the token vs block comparison")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps-per-graph", type=int, default=1)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    a = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    a.k_set, a.batch_sizes, a.prompts = ints(a.k_set), ints(a.batch_sizes), ints(a.prompts)
+    a.sampling_ks = [x if x == AUTO else int(x) for x in a.sampling_ks.split(",") if x]
+    if len(a.prompts) == 1:
+        a.prompts *= len(a.batch_sizes)
+    if len(a.prompts) != len(a.batch_sizes):
+        ap.error("--prompts needs one value, or one per batch size")
+    return a
+
+
+def main():
+    a = parse_args()
+    t_start = time.time()
+    dev_name = sg_platform.get(a.device).device_name()
+    wl = workloads(max(a.prompts))
+    progress(f"{dev_name}; prompt lengths {min(map(len, wl['stdlib']))}-{max(map(len, wl['stdlib']))} tokens")
+    out = Path(a.out)
+    prev = out.read_text() if out.exists() else "# Benchmark results\n"
+    res, notes, errors = {}, [], {}
+    for B, n in zip(a.batch_sizes, a.prompts):
+        prompts = {w: p[:n] for w, p in wl.items()}
+        for key, modes in engine_plan(a).items():
+            progress(f"engine B={B} K={key[0]} {key[1]} ({', '.join(modes)})")
+            try:
+                run_engine(key, modes, B, prompts, a, res, notes)
+            except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' numbers
+                traceback.print_exc()
+                why = str(e).splitlines()[0][:200] if str(e) else ""
+                errors[f"B={B} K={key[0]} {key[1]}"] = f"{type(e).__name__}: {why}"
+            write(out, prev, report(res, notes, errors, a, dev_name, time.time() - t_start))
+    lines = report(res, notes, errors, a, dev_name, time.time() - t_start)
+    write(out, prev, lines)
+    print("\n".join(lines))
+
+
+def write(out: Path, prev: str, lines: list[str]) -> None:
+    """The report appended to what the file held before the run; rewritten after every engine, so a run
+    cut short still leaves what it measured."""
+    out.write_text(prev.rstrip() + "\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

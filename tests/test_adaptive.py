@@ -1,0 +1,243 @@
+"""Adaptive K (num_speculative_tokens="auto"): the chooser's math, the engine's per-replay choice, its device
+counters, the stats, determinism, N steps per replay, capture per K, and the CLI."""
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import fake_platform, hf_greedy
+
+import spec_graph.runtime as runtime_mod
+from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph.adaptive import KChooser, expected_tokens
+from spec_graph.export import ExportError, export_pair
+
+PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3]]
+# Seconds per step for K = 1..4: with a fresh (0.6) estimate K=1 pays best, with the near draft's acceptance
+# K=4 does, so a generation walks through more than one K.
+TIMES = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}
+
+
+def _engine(pair, plat=None, **cfg):
+    cfg = {"num_speculative_tokens": "auto", "max_speculative_tokens": 4, "max_len": 64, "max_batch_size": 4, **cfg}
+    dec = SpecDecoder.from_pretrained(*pair, SpecGraphConfig(**cfg))
+    if plat is not None:
+        dec = SpecDecoder(dec.target, dec.draft, dec.config, dec.tokenizer, dec.eos_token_ids, plat=plat)
+        dec.compiled = False  # the recorded step is the eager one: this is about capture, not compilation
+    for greedy, b, k in itertools.product((True, False), (1, 2, 4), TIMES):
+        dec.step_times[(greedy, b, k)] = TIMES[k] * (1 + b / 8)
+    return dec
+
+
+# ------------------------------------------------------------------ the chooser
+def _enumerated_expectation(rates, k):
+    """E(committed tokens) over every pattern of k independent judgements (position j passes with rates[j]): the
+    accepted drafts are the leading passes, plus one correction or bonus token."""
+    total = 0.0
+    for pattern in itertools.product((0, 1), repeat=k):
+        p = 1.0
+        for j, ok in enumerate(pattern):
+            p *= rates[j] if ok else 1 - rates[j]
+        lead = next((j for j, ok in enumerate(pattern) if not ok), k)
+        total += p * (lead + 1)
+    return total
+
+
+@pytest.mark.parametrize("formula, right", [(expected_tokens, True),
+                                            (lambda r, k: 1 + sum(r[:k]), False)])  # rates taken as unconditional
+def test_expected_tokens(formula, right):
+    rates = [0.9, 0.5, 0.7, 0.2]
+    ok = all(abs(formula(rates, k) - _enumerated_expectation(rates, k)) < 1e-12 for k in range(1, 5))
+    assert ok == right
+
+
+def _feed(chooser, rate, k, rows=8):
+    """One replay's counters: `rows` row-steps of k drafts, each position accepted with `rate`, exactly in mean."""
+    last = list(chooser._last)
+    n = chooser.kmax
+    reach = float(rows)
+    for j in range(k):
+        last[j] += round(reach)
+        last[n + j] += round(reach * rate)
+        reach *= rate
+    chooser.observe(last)
+
+
+class _IgnoresTime(KChooser):
+    def choose(self, times):
+        return super().choose({k: 1.0 for k in times})
+
+
+class _IgnoresAcceptance(KChooser):
+    def rates(self):
+        return [0.6] * self.kmax
+
+
+@pytest.mark.parametrize("cls, right", [(KChooser, True), (_IgnoresTime, False), (_IgnoresAcceptance, False)])
+def test_chooser_follows_acceptance_and_time(cls, right):
+    times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
+    picks = []
+    for rate in (0.97, 0.05):
+        c = cls((1, 2, 3, 4, 6, 8))
+        k = 1
+        for _ in range(12):
+            _feed(c, rate, k, rows=64)
+            k = c.choose(times)
+        picks.append(k)
+    assert (picks == [8, 1]) == right, picks
+
+
+def test_chooser_moves_within_a_few_replays_and_deep_positions_follow_the_first():
+    c = KChooser((1, 2, 3, 4, 6, 8))
+    times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
+    k = 1
+    for _ in range(10):
+        _feed(c, 0.95, k)
+        k = c.choose(times)
+    assert k == 8
+    ks = []
+    for _ in range(6):  # the prompts turn hard
+        _feed(c, 0.05, k)
+        k = c.choose(times)
+        ks.append(k)
+    assert ks[-1] == 1 and ks.index(1) <= 4, ks
+    for _ in range(20):  # K stays at 1: only position 1 is seen; deep positions drift toward its rate
+        _feed(c, 0.05, 1)
+    r = c.rates()
+    assert r[0] < 0.05 and all(a < 0.5 for a in r), r  # from 0.95
+    for _ in range(8):  # and easy again: K climbs back, though positions 2.. were not seen for a while
+        _feed(c, 0.95, k)
+        k = c.choose(times)
+    assert k >= 6
+
+
+# ------------------------------------------------------------------ the engine
+def _host_counts(out, kmax):
+    """The chooser's counters recomputed from the results: per position, row-steps that reached it and that
+    accepted it."""
+    steps = [(a, k) for r in out for a, k in zip(r.accepted_counts, r.k_per_step)]
+    reached = [sum(k > j and a >= j for a, k in steps) for j in range(kmax)]
+    accepted = [sum(a > j for a, _ in steps) for j in range(kmax)]
+    return reached + accepted
+
+
+def _check_auto(out, pair, n_new):
+    assert [r.token_ids for r in out] == [hf_greedy(pair[0], p, n_new) for p in PROMPTS]
+    for r in out:
+        assert len(r.k_per_step) == len(r.accepted_counts)
+        assert all(0 <= a <= k for a, k in zip(r.accepted_counts, r.k_per_step))
+    s = out.stats
+    assert len(s.k_per_step) == s.steps and len(set(s.k_per_step)) >= 2, s.k_per_step
+    assert abs(s.tokens_per_step * s.request_steps - s.generated_tokens) < 1e-6
+    counts = [a for r in out for a in r.accepted_counts]
+    assert s.acceptance_rate == pytest.approx(sum(counts) / sum(k for r in out for k in r.k_per_step))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
+    """K moves between replays; the tokens stay HF's, each step's accepted count stays within the K it ran with,
+    and the device counters equal the results'. Broken: the engine runs the largest K whatever it chose."""
+    if broken:
+        orig = runtime_mod.DecoderBase._steps_fn
+        monkeypatch.setattr(runtime_mod.DecoderBase, "_steps_fn", lambda self, g, B, K: orig(self, g, B, self.K))
+    dec = _engine(llama_pair)
+    out = dec.generate(PROMPTS, 24)
+    if broken:
+        with pytest.raises(AssertionError):
+            _check_auto(out, llama_pair, 24)
+        return
+    _check_auto(out, llama_pair, 24)
+    steps = [(a, k) for r in out for a, k in zip(r.accepted_counts, r.k_per_step)]
+    # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
+    assert {a for a, k in steps if a < k} >= {0, 1, 2} and (2, 2) in steps, steps
+    assert dec.k_counts.tolist() == _host_counts(out, dec.K)
+    # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
+    assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.tolist()[: dec.K]
+
+
+def test_auto_captured_n_steps_per_replay(llama_pair):
+    """Every (bucket, K) graph is recorded in the one pool; 3 steps per replay; HF's tokens; capture reported."""
+    plat = fake_platform()
+    dec = _engine(llama_pair, plat=plat, steps_per_graph=3, batch_buckets=(1, 2, 4))
+    out = dec.generate(PROMPTS, 24)
+    _check_auto(out, llama_pair, 24)
+    assert set(dec.graphs.graphs) == {(True, b, k) for b in (1, 2, 4) for k in (1, 2, 3, 4)}
+    assert set(dec.capture_report) == {1, 2, 3, 4}
+    assert all(r["capture_s"] > 0 and r["memory_bytes"] is None for r in dec.capture_report.values())
+    assert len(out.stats.k_per_step) % 3 == 0
+    assert dec.k_counts.tolist() == _host_counts(out, dec.K)
+
+
+def test_auto_measures_step_times_once(llama_pair):
+    dec = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(num_speculative_tokens="auto",
+                                                                   max_speculative_tokens=3, max_len=64,
+                                                                   max_batch_size=2, batch_buckets=(1, 2)))
+    dec.generate(PROMPTS[:2], 8)
+    table = dict(dec.step_times)
+    assert set(table) == {(True, b, k) for b in (1, 2) for k in (1, 2, 3)} and min(table.values()) > 0
+    dec.generate(PROMPTS[:2], 8)
+    assert dec.step_times == table  # fixed once measured: the same seed gives the same Ks
+
+
+def test_auto_sampling_repeats_under_a_seed(llama_pair):
+    dec = _engine(llama_pair)
+    runs = [dec.generate(PROMPTS, 24, temperature=1.0, seed=s) for s in (7, 7, 8)]
+    same = [[r.token_ids for r in o] + [o.stats.k_per_step] for o in runs]
+    assert same[0] == same[1] and same[0] != same[2]
+    assert len(set(runs[0].stats.k_per_step)) >= 2
+
+
+def test_auto_costs_no_extra_host_read(llama_pair, monkeypatch):
+    """Per replay the host reads the device once, with "auto" as with a fixed K."""
+    reads = []
+    orig = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append(1), orig(t))[1])
+
+    def overhead(**cfg):
+        dec = _engine(llama_pair, **cfg)
+        reads.clear()
+        out = dec.generate(PROMPTS[:1], 24)
+        return len(reads) - len(out.stats.k_per_step)  # replays (N=1): one step each
+
+    assert overhead() == overhead(num_speculative_tokens=2)
+
+
+def test_config_and_choices():
+    assert SpecGraphConfig(num_speculative_tokens="auto").k_choices == (1, 2, 3, 4, 6, 8)
+    assert SpecGraphConfig(num_speculative_tokens="AUTO", max_speculative_tokens=5).k_choices == (1, 2, 3, 4, 5)
+    assert SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=16).k_choices[-3:] == (8, 12, 16)
+    assert SpecGraphConfig(num_speculative_tokens=3, max_speculative_tokens=8).k_choices == (3,)
+    c = SpecGraphConfig(num_speculative_tokens="auto", max_len=100)
+    assert c.max_k == 8 and c.cache_len == SpecGraphConfig(num_speculative_tokens=8, max_len=100).cache_len
+    for bad in ({"num_speculative_tokens": "fast"}, {"num_speculative_tokens": "auto", "max_speculative_tokens": 0},
+                {"max_speculative_tokens": 17}, {"max_speculative_tokens": "8"}):
+        with pytest.raises(ValueError, match="num_speculative_tokens|max_speculative_tokens"):
+            SpecGraphConfig(**bad)
+
+
+def test_export_refuses_auto(tmp_path, llama_pair):
+    with pytest.raises(ExportError, match="fixes K.*-k 4"):
+        export_pair(*llama_pair, tmp_path / "x.pt2", num_speculative_tokens="auto")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "spec_graph.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_k_auto(llama_pair):
+    t, d = map(str, llama_pair)
+    base = ["generate", "--target", t, "--draft", d, "--prompt-ids", "5,9,17", "--max-new-tokens", "12",
+            "--device", "cpu"]
+    r = _cli(*base, "-k", "auto", "--max-speculative-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["k_per_step"] and set(stats["k_per_step"]) <= {1, 2, 3} and len(stats["k_per_step"]) == stats["steps"]
+    assert len(stats["acceptance_rate_per_position"]) == 3
+    r = _cli(*base, "-k", "auto", "--quiet")
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    for bad, msg in ((["-k", "fast"], "integer 1..16 or 'auto'"),
+                     (["-k", "3", "--max-speculative-tokens", "4"], "add -k auto")):
+        r = _cli(*base, *bad)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
