@@ -75,7 +75,7 @@ def workloads(n: int) -> dict[str, list[list[int]]]:
 def engine_plan(a) -> dict:
     """{(K, verification): [modes]}, in build order; greedy is the same under both verifications."""
     plan: dict = collections.defaultdict(list)
-    for k in [] if a.skip_greedy else a.k_set + [AUTO]:
+    for k in [] if a.skip_greedy else ([] if a.skip_fixed else a.k_set) + [AUTO]:
         plan[(k, "token")].append("greedy")
     if not a.skip_sampling:
         for k in a.sampling_ks:
@@ -131,6 +131,10 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         mib = lambda m: f"{m / 2**20:.1f} MiB" if m is not None else "n/a"  # noqa: E731
         line += "; capture_report: " + ", ".join(f"K={kk} {v['capture_s']:.2f} s {mib(v.get('memory_bytes'))}"
                                                  for kk, v in sorted(rep.items()))
+    if k == AUTO and dec.step_times:  # the chooser's time table: ms per step at live length 128
+        line += "; step ms at length 128: " + ", ".join(
+            f"B={b} K={kk} {1e3 * (t[0] + 128 * t[1] if isinstance(t, tuple) else t):.3f}"
+            for (g, b, kk), t in sorted(dec.step_times.items()) if g)
     notes.append(line + f"; engine total {time.time() - t0:.1f} s")
     progress(f"engine B={B} K={k} {verification} done in {time.time() - t0:.1f} s")
     del dec
@@ -226,6 +230,7 @@ def parse_args():
     ap.add_argument("--sampling-ks", default="4", help="K values of the token vs block comparison")
     ap.add_argument("--skip-sampling", action="store_true")
     ap.add_argument("--skip-greedy", action="store_true", help="only the token vs block comparison")
+    ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps-per-graph", type=int, default=1)
     ap.add_argument("--device", default=None)

@@ -15,6 +15,8 @@ choices, and so the tokens, repeat.
 """
 from __future__ import annotations
 
+import torch
+
 # Weight of the past per replay: about the last 1 / (1 - DECAY) replays count, so a new kind of prompt moves K
 # within a few replays while one unlucky step does not.
 DECAY = 0.8
@@ -31,6 +33,16 @@ def expected_tokens(rates: list[float], k: int) -> float:
         reach *= a
         total += reach
     return total
+
+
+def count_acceptance(counts: torch.Tensor, accepted: torch.Tensor, K: int) -> None:
+    """Add one step's counts to ``counts [2 * Kmax]`` in place, on the device: per position j (0-based), the rows
+    whose step proposed it with every earlier draft accepted (``accepted >= j`` and ``j < K``), then the rows that
+    accepted it (``accepted > j``). ``accepted [B]``: drafts accepted per row, negative where a row took no step."""
+    depth = torch.arange(counts.shape[0] // 2, device=counts.device)
+    a = accepted[:, None]
+    reached = ((a >= depth) & (depth < K)).sum(0)
+    counts.add_(torch.cat((reached, (a > depth).sum(0))))
 
 
 class KChooser:

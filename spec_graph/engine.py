@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import platform
+from .adaptive import count_acceptance
 from .config import SpecGraphConfig, beyond_window_warning, check_device
 from .models import load_model, parse_dtype, read_config
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
@@ -141,6 +142,8 @@ class SpecDecoder(DecoderBase):
             def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
                 new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
                                        greedy, fused=not compiled, verification=verification)
+                if "k_counts" in st:  # "auto": inside the compiled step, where it fuses into a kernel or two
+                    count_acceptance(st["k_counts"], new["accepted"], K)
                 for k in WRITEBACK:
                     st[k].copy_(new[k])
 
@@ -161,7 +164,7 @@ class SpecDecoder(DecoderBase):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
                     # dimension is symbolic there, and each bucket's graph is still captured at its own size.
                     if st["tail"].shape[0] > 1:
-                        for t in (*st.values(), out_buf, acc_log):
+                        for t in (*(v for k, v in st.items() if k != "k_counts"), out_buf, acc_log):
                             torch._dynamo.maybe_mark_dynamic(t, 0)
                     # One function compiled per (mode, K, batch 1 or symbolic): past dynamo's default limit
                     # on recompiles of one function with "auto", so the limit is raised for these calls only.

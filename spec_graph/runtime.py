@@ -34,6 +34,8 @@ MAX_STOP_IDS = 64
 # Prefills of at most this many positions (rows x padded length) replay a graph: short ones are bound by
 # kernel launches on the host, long ones by the device.
 PREFILL_GRAPH_TOKENS = 512
+# "auto" times each K's step at a short and at this live length (or max_len / 2 if shorter), and interpolates
+TIME_LENGTH = 1024
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -107,7 +109,7 @@ class DecoderBase:
     prompt's last token (writing both models' caches for those slots) and
     ``_step_fn(greedy, K)`` returning ``fn(state, out_buf, acc_log, stop_ids, draft_kv, target_kv)``
     that runs one step of ``K`` drafts over ``B = state["tail"].shape[0]`` rows, updating every argument
-    in place.
+    in place (with "auto", ``state["k_counts"]`` too: ``adaptive.count_acceptance``).
     Where ``capture_prefill`` is set and graphs exist, short prefills replay a graph per (rows, length).
     """
 
@@ -153,7 +155,6 @@ class DecoderBase:
         self.step_times: dict = {}
         self._timed: set = set()  # the step_times entries measured here
         self.k_counts = torch.zeros(2 * self.K, dtype=torch.long, device=dev)
-        self._depth = torch.arange(self.K, device=dev)
         self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
         self._generate_lock = threading.Lock()
@@ -279,29 +280,17 @@ class DecoderBase:
     # ------------------------------------------------------------------ step
     def _step_args(self, B: int) -> tuple:
         st = {k: v[:B] for k, v in self.state.items()}
+        if self.config.adaptive:
+            st["k_counts"] = self.k_counts  # the step adds its acceptance counts (adaptive.count_acceptance)
         return st, self.out_buf[:B], self.acc_log[:B], self.stop_buf, self.draft_kv, self.target_kv
 
     def _buckets(self) -> list[int]:
         return sorted({b for b in self.config.batch_buckets if b <= self.rows} | {self.rows}, reverse=True)
 
     def _steps_fn(self, greedy: bool, B: int, K: int):
-        """The N-step callable over rows [0, B) with K drafts; with "auto" it also counts, on the device, the
-        row-steps that reached and that accepted each draft position (the chooser's input)."""
+        """The N-step callable over rows [0, B) with K drafts."""
         fn, args, N = self._step_fn(greedy, K), self._step_args(B), self.config.steps_per_graph
-        if not self.config.adaptive:
-            return lambda: [fn(*args) for _ in range(N)]
-        st, acc_log, counts, depth = args[0], args[2], self.k_counts.view(2, -1), self._depth
-        last_col = acc_log.shape[1] - 1
-
-        def run():
-            for _ in range(N):
-                before = st["steps"].clone()
-                fn(*args)
-                ok = (st["steps"] != before)[:, None] & (depth < K)  # rows that took the step, positions proposed
-                acc = acc_log.gather(1, (before - 1).clamp(0, last_col)[:, None])  # drafts accepted in it
-                counts[0] += (ok & (acc >= depth)).sum(0)
-                counts[1] += (ok & (acc > depth)).sum(0)
-        return run
+        return lambda: [fn(*args) for _ in range(N)]
 
     def _capture(self, greedy: bool) -> None:
         """Capture every (bucket, K) N-step graph, while no row is active (warm-up runs for real); with "auto",
@@ -329,23 +318,51 @@ class DecoderBase:
         self._captured_modes.add(greedy)
 
     def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
-        """Seconds per step of each (bucket, K), fixed from here on (the chooser stays deterministic)."""
-        plat, N = self.platform, self.config.steps_per_graph
-        for b in self._buckets():
-            for K in self.k_choices:
-                key = (greedy, b, K)
-                if key in self.step_times:
-                    continue
-                graph = self.graphs is not None and key in self.graphs
-                run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
-                run()  # warm (uncaptured: the first call may compile)
-                plat.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                plat.synchronize()
-                self.step_times[key] = (time.perf_counter() - t0) / (repeats * N)
-                self._timed.add(key)
+        """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
+        rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
+        at two lengths, then the state is put back (no request is active during capture: the scratch tokens
+        written go to free slots, which a prefill resets). Fixed from here on: the chooser stays deterministic."""
+        plat, N, st = self.platform, self.config.steps_per_graph, self.state
+        lo = 16
+        hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
+        snap = {k: v.clone() for k, v in st.items()}
+        try:
+            for b in self._buckets():
+                for K in self.k_choices:
+                    key = (greedy, b, K)
+                    if key in self.step_times:
+                        continue
+                    graph = self.graphs is not None and key in self.graphs
+                    run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
+                    at = []
+                    for L in (lo, hi):
+                        times = []
+                        for _ in range(repeats + 1):  # the first warms (uncaptured: it may compile)
+                            self._as_if_live(snap, L)
+                            plat.synchronize()
+                            t0 = time.perf_counter()
+                            run()
+                            plat.synchronize()
+                            times.append(time.perf_counter() - t0)
+                        at.append(min(times[1:]) / N)
+                    per = max(at[1] - at[0], 0.0) / (hi - lo)
+                    self.step_times[key] = (at[0] - per * lo, per)
+                    self._timed.add(key)
+        finally:
+            for k, v in snap.items():
+                st[k].copy_(v)
+
+    def _as_if_live(self, snap: dict, length: int) -> None:
+        """Every row active at committed length `length`, with room to generate (for timing only)."""
+        st = self.state
+        for k, v in snap.items():
+            st[k].copy_(v)
+        st["active"].fill_(True)
+        st["error"].fill_(False)
+        st["seq_lens"].fill_(length)
+        st["n_out"].fill_(1)
+        st["max_new"].fill_(self.config.max_len)
+        st["steps"].fill_(1)
 
     def reset_graphs(self, steps_per_graph: int | None = None) -> None:
         """Drop the captured graphs (re-captured at the next generate), optionally with a new N.
@@ -365,11 +382,17 @@ class DecoderBase:
             self.step_times.pop(key, None)
         self._timed.clear()
 
-    def _times_for(self, greedy: bool, B: int) -> dict[int, float]:
-        """{K: seconds per step} of the measured bucket nearest above B (else the largest)."""
+    def _times_for(self, greedy: bool, B: int, length: float) -> dict[int, float]:
+        """{K: seconds per step} at mean live length `length`, from the measured bucket nearest above B (else the
+        largest). A ``step_times`` entry is ``(base_s, per_position_s)`` or plain seconds."""
         measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
         b = next((m for m in measured if m >= B), measured[-1] if measured else B)
-        return {K: self.step_times[(greedy, b, K)] for K in self.k_choices if (greedy, b, K) in self.step_times}
+        out = {}
+        for K in self.k_choices:
+            t = self.step_times.get((greedy, b, K))
+            if t is not None:
+                out[K] = t[0] + t[1] * length if isinstance(t, tuple) else t
+        return out
 
     def _run_steps(self, B: int, greedy: bool, K: int | None = None) -> None:
         """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists."""
@@ -439,6 +462,7 @@ class DecoderBase:
         self.k_counts.zero_()  # the chooser starts from nothing each call: the same seed, the same Ks
         k_per_step: list[int] = []
         slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
+        live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
         def finish(slots: list[int]) -> None:
             if not slots:
@@ -474,6 +498,7 @@ class DecoderBase:
                 slots = [s for s, _ in admit]
                 for s, r in admit:
                     owner[s] = r
+                    live[s] = len(encoded[r]) + 1
                 self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
                               [req_seeds[r] for _, r in admit], params, stop_ids)
                 prefills += 1
@@ -485,16 +510,21 @@ class DecoderBase:
                     report()
                 continue
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
-            K = chooser.choose(self._times_for(params.greedy, B)) if chooser else self.K
+            if chooser:
+                K = chooser.choose(self._times_for(params.greedy, B, sum(live[s] for s in busy) / len(busy)))
+            else:
+                K = self.K
             self._run_steps(B, params.greedy, K)
             steps += N
             k_per_step += [K] * N
             for s in busy:
                 slot_ks[s] += [K] * N
-            if chooser:  # the one host read per replay: which rows are active, and the chooser's counters
-                read = torch.cat((self.state["active"][:B].long(), self.k_counts)).tolist()
+            if chooser:  # the one host read per replay: which rows are active, their lengths, the chooser's counts
+                read = torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B], self.k_counts)).tolist()
                 active = read[:B]
-                chooser.observe(read[B:])
+                for s in busy:
+                    live[s] = read[B + s]
+                chooser.observe(read[2 * B:])
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
             finish([s for s in busy if not active[s]])

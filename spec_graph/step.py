@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .kernels import (DRAFT_POS_BASE, REQUEST_ROW, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
+from .kernels import (DRAFT_POS_BASE, PLACEHOLDER, REQUEST_ROW, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
                       prepare_next_ref, race_sample)
 from .sampling import logits_to_probs
 
@@ -101,4 +101,5 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
         "active": ok & ~done,
         "error": state["error"] | failed,
         "steps": steps + ok.long(),
+        "accepted": torch.where(ok, num_acc, PLACEHOLDER),  # drafts accepted; PLACEHOLDER: no step taken
     }

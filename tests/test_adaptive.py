@@ -171,12 +171,18 @@ def test_auto_captured_n_steps_per_replay(llama_pair):
 
 
 def test_auto_measures_step_times_once(llama_pair):
+    """Each (bucket, K) is timed once, at two live lengths, into (base, per position) seconds."""
     dec = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(num_speculative_tokens="auto",
                                                                    max_speculative_tokens=3, max_len=64,
                                                                    max_batch_size=2, batch_buckets=(1, 2)))
-    dec.generate(PROMPTS[:2], 8)
+    out = dec.generate(PROMPTS[:2], 8)
+    # timing ran the steps with every row active, then put the state back: the requests are untouched
+    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 8) for p in PROMPTS[:2]]
     table = dict(dec.step_times)
-    assert set(table) == {(True, b, k) for b in (1, 2) for k in (1, 2, 3)} and min(table.values()) > 0
+    assert set(table) == {(True, b, k) for b in (1, 2) for k in (1, 2, 3)}
+    assert all(base + 16 * per > 0 and per >= 0 for base, per in table.values())
+    assert dec._times_for(True, 2, 100.0) == {k: table[(True, 2, k)][0] + 100 * table[(True, 2, k)][1]
+                                              for k in (1, 2, 3)}
     dec.generate(PROMPTS[:2], 8)
     assert dec.step_times == table  # fixed once measured: the same seed gives the same Ks
 
@@ -241,3 +247,16 @@ def test_cli_k_auto(llama_pair):
                      (["-k", "3", "--max-speculative-tokens", "4"], "add -k auto")):
         r = _cli(*base, *bad)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_auto_compiled_step_counts_inside_the_graph(llama_pair):
+    """The spec_graph backend's step (CPU: compiled, not captured) counts acceptance inside the compiled graph;
+    the counts and the tokens equal the eager engine's."""
+    eager = _engine(llama_pair, max_speculative_tokens=2, batch_buckets=(4,))
+    dec = _engine(llama_pair, max_speculative_tokens=2, batch_buckets=(4,), enable_graph=True)
+    assert dec.compiled
+    outs = [d.generate(PROMPTS, 16) for d in (eager, dec)]
+    assert [r.token_ids for r in outs[1]] == [r.token_ids for r in outs[0]]
+    assert outs[1].stats.k_per_step == outs[0].stats.k_per_step and len(set(outs[1].stats.k_per_step)) == 2
+    assert dec.k_counts.tolist() == eager.k_counts.tolist() == _host_counts(outs[1], 2)
+    assert {k for _, k in dec._fns} == {1, 2}
