@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-# Weight of the past per replay: about the last 1 / (1 - DECAY) replays count, so a new kind of prompt moves K
-# within a few replays while one unlucky step does not.
-DECAY = 0.8
+# Weight of the past per row-step observed: about the last 1 / (1 - DECAY) row-steps count (a few replays of a
+# full batch, a fraction of one request alone), so a new kind of prompt moves K soon while one unlucky step does
+# not; per row-step, not per replay, so that one row's steps are not read as noisily as eight rows'.
+DECAY = 0.95
 # Before anything is seen, position 1 is assumed accepted this often; a position not seen lately (K stayed
 # below it) falls back to the rate of the one before it, so the estimate of deep positions follows the first.
 PRIOR_RATE = 0.6
@@ -66,9 +67,10 @@ class KChooser:
         new = [c - p for c, p in zip(counts, self._last)]
         self._last = list(counts)
         n = self.kmax
+        keep = self.decay ** new[0]  # new[0]: the row-steps taken (every step reaches position 1)
         for j in range(n):
-            self.reached[j] = self.decay * self.reached[j] + new[j]
-            self.accepted[j] = self.decay * self.accepted[j] + new[n + j]
+            self.reached[j] = keep * self.reached[j] + new[j]
+            self.accepted[j] = keep * self.accepted[j] + new[n + j]
 
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from . import platform as _platform
 from .adaptive import KChooser
 from .capture import GraphSet
 from .config import SpecGraphConfig, check_window
@@ -320,11 +321,14 @@ class DecoderBase:
     def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
         """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
         rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
-        at two lengths, then the state is put back (no request is active during capture: the scratch tokens
+        at two lengths (one where attention covers the whole cache anyway), then the state is put back (no request is active during capture: the scratch tokens
         written go to free slots, which a prefill resets). Fixed from here on: the chooser stays deterministic."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
         lo = 16
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
+        # attention's work follows the live length only where its kernel runs (else it covers the whole cache)
+        lengths = (lo, hi) if _platform.use_triton(self.device) else (lo,)
+        repeats = repeats if self.graphs is not None else 1  # uncaptured (CPU) steps are slow and steady
         snap = {k: v.clone() for k, v in st.items()}
         try:
             for b in self._buckets():
@@ -335,7 +339,7 @@ class DecoderBase:
                     graph = self.graphs is not None and key in self.graphs
                     run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
                     at = []
-                    for L in (lo, hi):
+                    for L in lengths:
                         times = []
                         for _ in range(repeats + 1):  # the first warms (uncaptured: it may compile)
                             self._as_if_live(snap, L)
@@ -345,7 +349,7 @@ class DecoderBase:
                             plat.synchronize()
                             times.append(time.perf_counter() - t0)
                         at.append(min(times[1:]) / N)
-                    per = max(at[1] - at[0], 0.0) / (hi - lo)
+                    per = max(at[-1] - at[0], 0.0) / (hi - lo)
                     self.step_times[key] = (at[0] - per * lo, per)
                     self._timed.add(key)
         finally:

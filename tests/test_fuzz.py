@@ -108,7 +108,7 @@ def api_calls(draw):
         prompts[draw(st.integers(0, n - 1))] = draw(st.sampled_from(BAD["prompt"]))
     elif bad is not None:
         kw[bad] = draw(st.sampled_from(BAD[bad]))
-    eng = dict(K=draw(st.sampled_from([1, 2, 4])), max_batch_size=draw(st.sampled_from([1, 2])),
+    eng = dict(K=draw(st.sampled_from([1, 2, 4, "auto"])), max_batch_size=draw(st.sampled_from([1, 2])),
                dtype=draw(st.sampled_from(["float32", "float32", "bfloat16"])))
     return prompts, kw, eng
 
@@ -156,7 +156,11 @@ def check_result(out, prompts, kw, tokenizer, pair, eng):
         assert r.prompt_token_ids == ids
         if kw["temperature"] == 0 and eng["dtype"] == "float32":
             assert r.token_ids == hf_greedy(pair[0], ids, kw["max_new_tokens"], stops)
+    for r in out:
+        assert len(r.k_per_step) == len(r.accepted_counts) and all(0 <= a <= k for a, k in zip(r.accepted_counts,
+                                                                                              r.k_per_step))
     s = out.stats
+    assert len(s.k_per_step) == s.steps
     assert s.generated_tokens == sum(len(r.token_ids) for r in out)
     assert s.tokens_per_step * s.request_steps == pytest.approx(s.generated_tokens)
 
@@ -181,11 +185,11 @@ def test_api_argument_space(pair, tokenizer, call):
 
 @st.composite
 def engine_configs(draw):
-    kw = dict(num_speculative_tokens=draw(st.sampled_from([1, 4, 16])), max_batch_size=draw(st.sampled_from([1, 3])),
+    kw = dict(num_speculative_tokens=draw(st.sampled_from([1, 4, 16, "auto"])), max_batch_size=draw(st.sampled_from([1, 3])),
               max_len=draw(st.sampled_from([None, 2, 24])),
               dtype=draw(st.sampled_from(["float32", "bfloat16", "auto"])),
               device=draw(st.sampled_from([None, "cpu"])))
-    bad = {"num_speculative_tokens": [0, 17, True, 2.0], "max_batch_size": [0, -1, True], "max_len": [1, 0, 1.5],
+    bad = {"num_speculative_tokens": [0, 17, True, 2.0, "fast", None], "max_speculative_tokens": [0, 17, "8"], "max_batch_size": [0, -1, True], "max_len": [1, 0, 1.5],
            "dtype": ["int3", 5], "device": ["cuda", "npu", "tpu", "cuda:x", ""]}
     field = draw(st.sampled_from([None, None, None, *sorted(bad)]))
     if field is not None:
@@ -202,8 +206,9 @@ def test_engine_config_space(pair, cfg):
     k, b, m, dt, dev = (cfg[x] for x in ("num_speculative_tokens", "max_batch_size", "max_len", "dtype", "device"))
     plat_ok = dev in (None, "cpu") or (dev == "cuda" and torch.cuda.is_available()) or \
         (dev == "npu" and platform._npu_available())
-    valid = (_int(k) and 1 <= k <= 16 and _int(b) and b >= 1 and (m is None or (_int(m) and m >= 2))
-             and dt in ("float32", "bfloat16", "auto") and plat_ok)
+    mk = cfg.get("max_speculative_tokens", 8)
+    valid = ((k == "auto" or _int(k) and 1 <= k <= 16) and _int(mk) and 1 <= mk <= 16 and _int(b) and b >= 1
+             and (m is None or (_int(m) and m >= 2)) and dt in ("float32", "bfloat16", "auto") and plat_ok)
     with time_limit(60):
         try:
             dec = SpecDecoder.from_pretrained(*pair, SpecGraphConfig(**cfg))
@@ -228,7 +233,7 @@ def cli_calls(draw):
         ids = draw(st.lists(st.integers(-1, VOCAB), min_size=0, max_size=8))
         argv += ["--prompt-ids", ",".join(map(str, ids))]
     opts = {
-        "-k": ["1", "3", "0", "17", "x"],
+        "-k": ["1", "3", "auto", "0", "17", "x"],
         "--max-new-tokens": ["1", "7", "16", "0", "-2", "abc"],
         "--temperature": ["0", "0.8", "-1", "inf", "nan", "1e300"],
         "--top-p": ["1", "0.5", "0", "1.5", "nan"],
@@ -239,6 +244,7 @@ def cli_calls(draw):
         "--dtype": ["float32", "bfloat16", "int3"],
         "--device": ["cpu", "cuda", "npu", "tpu"],
         "--threads": ["1", "0"],
+        "--max-speculative-tokens": ["3", "0"],
     }
     for flag in draw(st.lists(st.sampled_from(sorted(opts)), max_size=4, unique=True)):
         argv += [flag, draw(st.sampled_from(opts[flag]))]
@@ -268,6 +274,7 @@ def test_cli_argument_space(pair, capsys, argv):
             assert len(o["token_ids"]) == n or (o["finish_reason"] == "stop" and 1 <= len(o["token_ids"]) <= n)
         s = obj["stats"]
         assert s["tokens_per_step"] * s["request_steps"] == pytest.approx(s["generated_tokens"])
+        assert len(s["k_per_step"]) == s["steps"]
     else:
         assert code == 2, (code, err)
         lines = [ln for ln in err.splitlines() if ln.strip()]
