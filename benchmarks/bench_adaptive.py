@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_default_pair import load_corpus, make_prompts  # noqa: E402
 
+from bench_step import _triton_version  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
@@ -210,15 +211,6 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
     L += [f"- {k} failed: {v}" for k, v in errors.items()]
     L += ["", "Targets:"] + targets(res, a)
     return L
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except Exception:  # noqa: BLE001
-        return "n/a"
 
 
 def parse_args():

@@ -535,16 +535,14 @@ class DecoderBase:
             if progress is not None:
                 report()
 
-        stats = self._stats(results, steps, prefills, time.perf_counter() - t0)
-        stats.k_per_step = k_per_step
-        return GenerationOutput(results, stats)
+        return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0, k_per_step))
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode([i for i in ids if i not in self.eos_token_ids], skip_special_tokens=True)
 
-    def _stats(self, results, steps: int, prefills: int, wall: float) -> GenerationStats:
+    def _stats(self, results, steps: int, prefills: int, wall: float, k_per_step: list[int]) -> GenerationStats:
         counts = [a for r in results for a in r.accepted_counts]
         ks = [k for r in results for k in r.k_per_step]
         n = len(counts)
@@ -561,6 +559,7 @@ class DecoderBase:
             generated_tokens=generated,
             wall_time_s=wall,
             request_steps=request_steps,
+            k_per_step=k_per_step,
         )
 
 

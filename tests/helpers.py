@@ -1,7 +1,9 @@
 """Tiny random checkpoints and an offline tokenizer, built with HF transformers / tokenizers."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +104,21 @@ def assert_every_count(out, K: int) -> None:
 
 def write_json(path, obj) -> None:
     Path(path).write_text(json.dumps(obj))
+
+
+@contextlib.contextmanager
+def interpreter_while_testing(on: bool, env_before: str | None):
+    """TRITON_INTERPRET=1 while a kernel test module runs (when `on`), then the value it had before
+    (`env_before`), so that the other modules run the torch references at full speed."""
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if env_before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = env_before
 
 
 class FakeGraph:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from helpers import interpreter_while_testing  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
@@ -48,13 +49,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_on_while_testing():
-    if DEV.type == "cpu" and INTERPRETER_BUILDS:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _ENV_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
+    with interpreter_while_testing(DEV.type == "cpu" and INTERPRETER_BUILDS, _ENV_BEFORE):
+        yield
 
 
 @contextlib.contextmanager

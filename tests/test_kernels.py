@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from helpers import interpreter_while_testing  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import (  # noqa: E402
@@ -68,13 +69,8 @@ I64 = dict(dtype=torch.int64, device=DEV)
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_on_while_testing():
-    if DEV.type == "cpu" and INTERPRETER_BUILDS:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _ENV_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
+    with interpreter_while_testing(DEV.type == "cpu" and INTERPRETER_BUILDS, _ENV_BEFORE):
+        yield
 
 
 def _t(x, dtype=torch.int64):

@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
-from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER
-from .rejection_sample import MAX_BLOCK_V, draft_token_probs, residual_race, tl_draft_probs, tl_residual_race
-from .rng import (_TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, block_for, hash_uniform, num_programs, tl_hash_uniform,
-                  use_kernel, wrap_triton)
+from .greedy_accept import _TL_PLACEHOLDER
+from .rejection_sample import commit_at, draft_token_probs, launch_verifier, tl_draft_probs, tl_residual_race
+from .rng import _TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, hash_uniform, tl_hash_uniform, use_kernel
 
 _TL_ACCEPT_COL = tl.constexpr(ACCEPT_COL)
 
@@ -100,22 +99,15 @@ def block_verify_ref(draft_token_ids, draft_probs, target_probs, seeds, steps, a
 
     Sums over the vocabulary may round differently from the kernel's, so the two can disagree where a
     uniform lies within rounding of h_i; tests allow exactly that."""
-    B, K = draft_token_ids.shape
-    V = target_probs.shape[-1]
+    K = draft_token_ids.shape[1]
     dev = draft_token_ids.device
     w, h = block_weights(draft_token_ids, draft_probs, target_probs, active)
     j = torch.arange(K, device=dev)[None, :]
     u = hash_uniform(seeds[:, None], steps[:, None], REQUEST_ROW, j, ACCEPT_COL)
     tau = torch.where(u <= h, j + 1, 0).amax(dim=1)
     tau = torch.where(active, tau, torch.zeros_like(tau))
-    p_t = target_probs.gather(1, tau[:, None, None].expand(B, 1, V))[:, 0]
-    q_t = draft_probs.gather(1, tau.clamp(max=K - 1)[:, None, None].expand(B, 1, V))[:, 0]
-    q_t = torch.where((tau < K)[:, None], q_t, torch.zeros_like(q_t))
-    token = residual_race(p_t, q_t, w.gather(1, tau[:, None]), seeds, steps, tau)
-    jj = torch.arange(K + 1, device=dev)[None, :]
-    d_pad = torch.cat((draft_token_ids, torch.full_like(draft_token_ids[:, :1], PLACEHOLDER)), dim=1)
-    sampled = torch.where(jj < tau[:, None], d_pad, torch.where(jj == tau[:, None], token[:, None], PLACEHOLDER))
-    return torch.where(active[:, None], sampled, PLACEHOLDER), tau
+    scale = w.gather(1, tau[:, None])
+    return commit_at(draft_token_ids, draft_probs, target_probs, seeds, steps, active, tau, scale), tau
 
 
 @torch.library.triton_op("spec_graph::block_verify", mutates_args={})
@@ -123,18 +115,10 @@ def _block_verify_op(
     draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, seeds: torch.Tensor,
     steps: torch.Tensor, active: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = draft_token_ids.device
+    args = (draft_token_ids, draft_probs, target_probs, seeds, steps, active)
     if not use_kernel(_block_verify_kernel, draft_token_ids):
-        return block_verify_ref(draft_token_ids, draft_probs, target_probs, seeds, steps, active)
-    B, K = draft_token_ids.shape
-    V = target_probs.shape[-1]
-    sampled = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
-    num_acc = torch.empty(B, dtype=torch.int64, device=dev)
-    wrap_triton(_block_verify_kernel)[(num_programs(B, max_programs, dev),)](
-        draft_token_ids.contiguous(), draft_probs.contiguous(), target_probs.contiguous(), seeds.contiguous(),
-        steps.contiguous(), active.contiguous(), sampled, num_acc, B, K, V,
-        BLOCK_K1=block_for(K + 1), BLOCK_V=min(block_for(V), MAX_BLOCK_V))
-    return sampled, num_acc
+        return block_verify_ref(*args)
+    return launch_verifier(_block_verify_kernel, *args, max_programs)
 
 
 def block_verify(draft_token_ids, draft_probs, target_probs, seeds, steps, active, max_programs: int = 0):

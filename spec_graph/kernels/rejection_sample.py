@@ -133,27 +133,31 @@ def _rejection_sample_kernel(draft_ptr, draft_probs_ptr, target_probs_ptr, seeds
 
 def rejection_sample_ref(draft_token_ids, draft_probs, target_probs, seeds, steps, active):
     """Torch reference of kernel 2 -> (sampled [B, K+1], num_accepted [B])."""
-    B, K = draft_token_ids.shape
-    V = target_probs.shape[-1]
-    dev = draft_token_ids.device
-    j = torch.arange(K, device=dev)[None, :]
+    K = draft_token_ids.shape[1]
+    j = torch.arange(K, device=draft_token_ids.device)[None, :]
     ok_id, q, p = draft_token_probs(draft_token_ids, draft_probs, target_probs, active)
     u = hash_uniform(seeds[:, None], steps[:, None], REQUEST_ROW, j, ACCEPT_COL)
     accept = ok_id & (q > 0) & (u * q <= p)
     n = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # first rejection, or K
 
-    # resample at position n (a [B, V] gather; no per-row Python branching)
-    n_d = n.clamp(max=K - 1)
-    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]
-    q_n = draft_probs.gather(1, n_d[:, None, None].expand(B, 1, V))[:, 0]
-    q_n = torch.where((n < K)[:, None], q_n, torch.zeros_like(q_n))  # n == K: the bonus token, from the target
-    token = residual_race(p_n, q_n, 1.0, seeds, steps, n)
+    sampled = commit_at(draft_token_ids, draft_probs, target_probs, seeds, steps, active, n, 1.0)
+    return sampled, torch.where(active, n, torch.zeros_like(n))
 
-    jj = torch.arange(K + 1, device=dev)[None, :]
+
+def commit_at(draft_token_ids, draft_probs, target_probs, seeds, steps, active, n, scale):
+    """The tokens a step commits with `n` [B] drafts accepted (both references' last part): drafts 0..n-1, then
+    the race at position n over max(scale * p[n] - q[n], 0) (q = 0 at n == K: the bonus token, from the
+    target), PLACEHOLDER after it and in inactive rows. A [B, V] gather; no per-row Python branching."""
+    B, K = draft_token_ids.shape
+    V = target_probs.shape[-1]
+    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]
+    q_n = draft_probs.gather(1, n.clamp(max=K - 1)[:, None, None].expand(B, 1, V))[:, 0]
+    q_n = torch.where((n < K)[:, None], q_n, torch.zeros_like(q_n))
+    token = residual_race(p_n, q_n, scale, seeds, steps, n)
+    jj = torch.arange(K + 1, device=draft_token_ids.device)[None, :]
     d_pad = torch.cat((draft_token_ids, torch.full_like(draft_token_ids[:, :1], PLACEHOLDER)), dim=1)
     sampled = torch.where(jj < n[:, None], d_pad, torch.where(jj == n[:, None], token[:, None], PLACEHOLDER))
-    sampled = torch.where(active[:, None], sampled, PLACEHOLDER)
-    return sampled, torch.where(active, n, torch.zeros_like(n))
+    return torch.where(active[:, None], sampled, PLACEHOLDER)
 
 
 @torch.library.triton_op("spec_graph::rejection_sample", mutates_args={})
@@ -161,15 +165,21 @@ def _rejection_sample_op(
     draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, seeds: torch.Tensor,
     steps: torch.Tensor, active: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = draft_token_ids.device
+    args = (draft_token_ids, draft_probs, target_probs, seeds, steps, active)
     if not use_kernel(_rejection_sample_kernel, draft_token_ids):
-        return rejection_sample_ref(draft_token_ids, draft_probs, target_probs, seeds, steps, active)
+        return rejection_sample_ref(*args)
+    return launch_verifier(_rejection_sample_kernel, *args, max_programs)
+
+
+def launch_verifier(kernel, draft_token_ids, draft_probs, target_probs, seeds, steps, active, max_programs: int):
+    """Run a verification kernel (the token-level or the block rule: the same arguments and outputs) over a
+    grid-stride 1-D grid -> (sampled [B, K+1], num_accepted [B])."""
+    dev = draft_token_ids.device
     B, K = draft_token_ids.shape
     V = target_probs.shape[-1]
     sampled = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
-    grid = (num_programs(B, max_programs, dev),)
-    wrap_triton(_rejection_sample_kernel)[grid](
+    wrap_triton(kernel)[(num_programs(B, max_programs, dev),)](
         draft_token_ids.contiguous(), draft_probs.contiguous(), target_probs.contiguous(), seeds.contiguous(),
         steps.contiguous(), active.contiguous(), sampled, num_acc, B, K, V,
         BLOCK_K1=block_for(K + 1), BLOCK_V=min(block_for(V), MAX_BLOCK_V))
