@@ -2,7 +2,7 @@
 
     python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
         [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--repeats 3]
-        [--device cuda] [--out benchmarks/RESULTS.md]
+        [--pin-in-auto] [--device cuda] [--out benchmarks/RESULTS.md]
 
 Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
 training window):
@@ -11,7 +11,8 @@ training window):
   (iii) mixed: (i) and (ii) alternating, so acceptance changes from one request to the next
 
 One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewer compiles; the tail of a
-batch runs padded to B). A B=1 engine runs its prompts one after another inside one generate call, so
+batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine instead, its choice pinned to
+each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run). A B=1 engine runs its prompts one after another inside one generate call, so
 "auto" carries what it learnt from request to request. Greedy at each fixed K of --k-set and at K="auto"
 (max_speculative_tokens = the largest K of the set); at temperature 1.0, "token" vs "block" verification
 at each K of --sampling-ks ("auto" there compiles every K again per verification: left out by default). Each engine
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import random
 import statistics
@@ -50,6 +52,7 @@ from train_default_pair import load_corpus, make_prompts  # noqa: E402
 from bench_step import _triton_version  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph import runtime as sg_runtime  # noqa: E402
 from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
 
 WORKLOADS = ("stdlib", "random", "mixed")
@@ -76,7 +79,8 @@ def workloads(n: int) -> dict[str, list[list[int]]]:
 def engine_plan(a) -> dict:
     """{(K, verification): [modes]}, in build order; greedy is the same under both verifications."""
     plan: dict = collections.defaultdict(list)
-    for k in [] if a.skip_greedy else ([] if a.skip_fixed else a.k_set) + [AUTO]:
+    fixed = [] if a.skip_fixed or a.pin_in_auto else a.k_set
+    for k in [] if a.skip_greedy else fixed + [AUTO]:
         plan[(k, "token")].append("greedy")
     if not a.skip_sampling:
         for k in a.sampling_ks:
@@ -92,6 +96,23 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
     return SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", cfg)
 
 
+@contextlib.contextmanager
+def pinned_k(k: int):
+    """The auto engine's chooser replaced by one that always picks K=k (it still reads the counters): the
+    engine then runs its own K=k graph, as a fixed-K engine would, with no compile of its own."""
+    real = sg_runtime.KChooser
+
+    class Pinned(real):
+        def choose(self, times):
+            return k
+
+    sg_runtime.KChooser = Pinned
+    try:
+        yield
+    finally:
+        sg_runtime.KChooser = real
+
+
 def measure(dec: SpecDecoder, prompts, temperature: float, a) -> dict:
     """Over --repeats timed calls, seeds 0..repeats-1, each seed run once untimed first (its prefill graphs:
     a seed may admit requests in other group sizes)."""
@@ -99,15 +120,18 @@ def measure(dec: SpecDecoder, prompts, temperature: float, a) -> dict:
     gen = lambda s: dec.generate(prompts, a.max_new_tokens, temperature=temperature, seed=s)  # noqa: E731
     for s in seeds:
         gen(s)
-    rates, stats = [], []
+    rates, stats, replay_ms = [], [], []
     for s in seeds:
         t0 = time.perf_counter()
         stats.append(gen(s).stats)
-        rates.append(stats[-1].generated_tokens / (time.perf_counter() - t0))
+        wall = time.perf_counter() - t0
+        rates.append(stats[-1].generated_tokens / wall)
+        replay_ms.append(1e3 * wall / max(stats[-1].steps / a.steps_per_graph, 1))
     n = sum(s.generated_tokens for s in stats)
     ks = [k for s in stats for k in (getattr(s, "k_per_step", None) or [])]
     # tokens/s: the median call (a stray host stall stays out); the counts: pooled
     return dict(tps=statistics.median(rates), tps_step=n / sum(s.request_steps for s in stats),
+                ms_replay=statistics.median(replay_ms),
                 acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
                 kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
 
@@ -122,10 +146,15 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         t1 = time.time()
         dec.generate([prompts["stdlib"][0][:16]], 4, temperature=temp, seed=SEED)  # compile + capture
         caps.append(f"{mode} {time.time() - t1:.1f} s")
-        for w in WORKLOADS:
-            res[(B, mode, k, verification, w)] = r = measure(dec, prompts[w], temp, a)
-            progress(f"  B={B} K={k} {verification} {mode} {w}: {r['tps']:.0f} tok/s, "
-                     f"{r['tps_step']:.2f} tok/step" + (f", mean K {r['kmean']:.2f}" if k == AUTO else ""))
+        pins = [None] + (a.k_set if k == AUTO and mode == "greedy" and a.pin_in_auto and not a.skip_fixed else [])
+        for pin in pins:
+            with pinned_k(pin) if pin is not None else contextlib.nullcontext():
+                for w in WORKLOADS:
+                    kk = k if pin is None else pin
+                    res[(B, mode, kk, verification, w)] = r = measure(dec, prompts[w], temp, a)
+                    progress(f"  B={B} K={kk} {verification} {mode} {w}: {r['tps']:.0f} tok/s, "
+                             f"{r['tps_step']:.2f} tok/step, {r['ms_replay']:.3f} ms/replay"
+                             + (f", mean K {r['kmean']:.2f}" if kk == AUTO else ""))
     line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
@@ -152,13 +181,14 @@ def fmt3(res, B, mode, k, v, field, spec):
 
 
 def tables(res, a) -> list[str]:
-    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/step | acceptance | mean K |",
-         "|---|---|---|---|---|---|---|---|"]
+    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/step | acceptance | mean K | ms/replay |",
+         "|---|---|---|---|---|---|---|---|---|"]
     rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
                  f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
-                 f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if k == AUTO else k} |")
+                 f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if k == AUTO else k} | "
+                 f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
     L.append("")
     order = lambda kv: (kv[0][0], kv[0][1] != "greedy", kv[0][3], WORKLOADS.index(kv[0][4]))  # noqa: E731
     for (B, mode, k, v, w), r in sorted(res.items(), key=order):
@@ -205,7 +235,9 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
          f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
          f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {a.repeats} timed generate "
          f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; one bucket "
-         f"(B) per engine; whole run {elapsed / 60:.1f} min", ""]
+         f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
+         + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")
+         + f"whole run {elapsed / 60:.1f} min", ""]
     L += tables(res, a)
     L += ["", "Engines (load, first generate per mode = compile + capture):"] + notes
     L += [f"- {k} failed: {v}" for k, v in errors.items()]
@@ -223,6 +255,8 @@ def parse_args():
     ap.add_argument("--skip-sampling", action="store_true")
     ap.add_argument("--skip-greedy", action="store_true", help="only the token vs block comparison")
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
+    ap.add_argument("--pin-in-auto", action="store_true",
+                    help="run each fixed K in the auto engine with its choice pinned (one compile for all K)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps-per-graph", type=int, default=1)
     ap.add_argument("--device", default=None)
