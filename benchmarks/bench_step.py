@@ -20,6 +20,9 @@ over time). ``--max-len`` / ``--context`` move the static cache length and the l
 
     python benchmarks/bench_step.py --table [--batch-sizes 1,8] [--table-max-lens 640,8192,32768]
 
+``--inductor-variants pdl,autotune,coordesc`` also times (c) at the first batch size compiled with each of those
+inductor settings (see INDUCTOR_VARIANTS), against the default compile of the same run.
+
 times (c) alone at contexts 512 / 4k / 16k / 32k for each max_len where they fit, each with its floor
 (weights plus the live KV only): the step's cost should follow the context, not max_len.
 """
@@ -57,6 +60,10 @@ CONTEXT = 512
 MAX_LEN = 640  # the static cache spans cache_length(MAX_LEN, K) positions; attention reads all of them
 CACHE_LEN = cache_length(MAX_LEN, K)
 HOST_REPEATS = 5  # generations timed for the host CPU figure; the median is reported
+# inductor settings a run can compare (--inductor-variants): programmatic dependent launch, Triton GEMM
+# templates chosen by autotuning (with epilogue fusion), tuned pointwise/reduction launches
+INDUCTOR_VARIANTS = {"pdl": {"triton.enable_pdl": True}, "autotune": {"max_autotune_gemm": True},
+                     "coordesc": {"coordinate_descent_tuning": True}}
 
 
 def progress(msg: str) -> None:
@@ -436,7 +443,13 @@ def main():
     ap.add_argument("--context", type=int, default=CONTEXT, help="live context of every variant")
     ap.add_argument("--table", action="store_true", help="only the (c) table over contexts and max_len")
     ap.add_argument("--table-max-lens", default="640,8192,32768")
+    ap.add_argument("--inductor-variants", default="",
+                    help=f"also time (c) at the first batch size compiled with these inductor settings: "
+                         f"{','.join(INDUCTOR_VARIANTS)}")
     a = ap.parse_args()
+    unknown = {v for v in a.inductor_variants.split(",") if v} - set(INDUCTOR_VARIANTS)
+    if unknown:
+        ap.error(f"unknown --inductor-variants {sorted(unknown)}; choose from {','.join(INDUCTOR_VARIANTS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_step.py needs a CUDA GPU")
     MAX_LEN, CONTEXT = a.max_len, a.context
@@ -515,6 +528,24 @@ def main():
             return bench_specgraph(dec_off, 1, a.iters, 1)
 
         res[Bs[0]]["c_off"] = attempt("c_off", errors, off)
+        flush(bw)
+    for name in (v for v in a.inductor_variants.split(",") if v):
+        progress(f"(c-{name}) spec-graph compiled with inductor {INDUCTOR_VARIANTS[name]}, B={Bs[0]}")
+
+        def variant(opts=INDUCTOR_VARIANTS[name]):
+            import torch._inductor.config as ind
+
+            for key in opts:
+                obj = ind
+                for part in key.split(".")[:-1]:
+                    obj = getattr(obj, part)
+                if not hasattr(obj, key.split(".")[-1]):
+                    raise RuntimeError(f"this torch's inductor has no setting {key}")
+            with ind.patch(opts):
+                dec_v = build_decoder(tdir, ddir, [Bs[0]], {}, 1, Bar(1, "compile"))
+            return bench_specgraph(dec_v, Bs[0], a.iters, 1)
+
+        res[Bs[0]][f"c_{name}"] = attempt(f"c_{name}", errors, variant)
         flush(bw)
     if "host" not in skip and dec is not None:
         progress("host CPU time per token, N=1 vs N=8")
@@ -624,6 +655,10 @@ def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
         L.append(f"- B={b}: kernels per step (c) {cnt(d.get('c_kernels'))}, (e) {cnt(d.get('e_kernels'))}; share of "
                  f"the copy bandwidth reached: (c) {share(d.get('c'), d.get('floor'))}, "
                  f"(e) {share(d.get('e'), d.get('e_floor'))}")
+    for name in (v for v in a.inductor_variants.split(",") if v):
+        t, base = res[Bs[0]].get(f"c_{name}"), res[Bs[0]].get("c")
+        L.append(f"- (c) compiled with inductor {INDUCTOR_VARIANTS[name]}, B={Bs[0]}: {f(t)} ms"
+                 + (f" ({t / base:.3f}x the default)" if isinstance(t, float) and isinstance(base, float) else ""))
     L += host_lines(Bs[min(1, len(Bs) - 1)], host1, host8)
     if real is not None:
         L.append(f"- embedded trained pair (graphs, N=8, B=1, K=4): acceptance {real[0]:.3f}, "
