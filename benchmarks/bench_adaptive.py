@@ -164,7 +164,7 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
     if k == AUTO and dec.step_times:  # the chooser's time table: ms per step at live length 128
         line += "; step ms at length 128: " + ", ".join(
             f"B={b} K={kk} {1e3 * (t[0] + 128 * t[1] if isinstance(t, tuple) else t):.3f}"
-            for (g, b, kk), t in sorted(dec.step_times.items()) if g)
+            for (g, b, kk), t in sorted(dec.step_times.items(), key=str) if g)
     notes.append(line + f"; engine total {time.time() - t0:.1f} s")
     progress(f"engine B={B} K={k} {verification} done in {time.time() - t0:.1f} s")
     del dec

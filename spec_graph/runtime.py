@@ -328,7 +328,6 @@ class DecoderBase:
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
         # attention's work follows the live length only where its kernel runs (else it covers the whole cache)
         lengths = (lo, hi) if _platform.use_triton(self.device) else (lo,)
-        repeats = repeats if self.graphs is not None else 1  # uncaptured (CPU) steps are slow and steady
         snap = {k: v.clone() for k, v in st.items()}
         try:
             for b in self._buckets():
@@ -382,6 +381,7 @@ class DecoderBase:
         self._new_prefill_graphs()
         self._captured_modes.clear()
         self._fallback_warned = False
+        self.capture_report.clear()  # the graphs it counted are gone; the next capture reports its own
         for key in self._timed:  # re-measured at the next capture; entries a caller set stay
             self.step_times.pop(key, None)
         self._timed.clear()

@@ -168,6 +168,11 @@ def test_auto_captured_n_steps_per_replay(llama_pair):
     assert all(r["capture_s"] > 0 and r["memory_bytes"] is None for r in dec.capture_report.values())
     assert len(out.stats.k_per_step) % 3 == 0
     assert dec.k_counts.tolist() == _host_counts(out, dec.K)
+    # re-captured after reset_graphs: the report is the new graphs' alone, not added to the dropped ones'
+    dec.reset_graphs()
+    assert dec.capture_report == {}
+    dec.generate(PROMPTS[:1], 4)
+    assert set(dec.capture_report) == {1, 2, 3, 4}
 
 
 def test_auto_measures_step_times_once(llama_pair):

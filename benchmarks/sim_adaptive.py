@@ -1,0 +1,96 @@
+"""Adaptive K's choices priced with a device's step times, on any machine: which chooser settings would win.
+
+    python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
+        [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--device cpu]
+
+Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
+((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy, at each fixed K and at
+K="auto", and each run is priced as if each replay had taken ``times[K] + overhead`` ms (defaults: the H200 table
+the auto engine measured at B=1 for the embedded pair, and the host time per replay read from that run's
+fixed-K rows; RESULTS.md, 2026-12-01). The chooser sees ``times[K]`` as its table, plus the overhead for the
+variants marked "+h". Simulated tok/ms = generated tokens / priced time (prefills left out: equal for all).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_adaptive as ba  # noqa: E402
+from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import runtime as sg_runtime  # noqa: E402
+
+
+def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
+    kw = dict(max_speculative_tokens=kmax) if k == ba.AUTO else {}
+    cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=ba.MAX_LEN, device=device,
+                          batch_buckets=(B,), **kw)
+    return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
+
+
+def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
+    """Generated tokens per priced ms."""
+    ks = stats.k_per_step or [fixed_k] * stats.steps
+    return stats.generated_tokens / sum(times[k] + overhead for k in ks)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--times", default="0.294,0.399,0.501,0.606,0.815,1.031", help="ms per step for each K of --k-set")
+    ap.add_argument("--k-set", default="1,2,3,4,6,8")
+    ap.add_argument("--overhead", type=float, default=0.09, help="host ms per replay added to every step")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try")
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    ks = [int(k) for k in a.k_set.split(",")]
+    times = dict(zip(ks, (float(t) for t in a.times.split(","))))
+    if len(times) != len(ks):
+        ap.error("--times needs one value per K of --k-set")
+    B, seed = a.batch_size, ba.SEED
+    wl = {w: p[:a.prompts] for w, p in ba.workloads(a.prompts).items()}
+    rows = {}
+    for k in ks:
+        dec = engine(k, B, max(ks), a.device)
+        rows[f"K={k}"] = [priced(dec.generate(wl[w], a.max_new_tokens, seed=seed).stats, times, a.overhead, k)
+                          for w in ba.WORKLOADS]
+        print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
+    dec = engine(ba.AUTO, B, max(ks), a.device)
+    real = sg_runtime.KChooser
+    for decay in (float(d) for d in a.decays.split(",")):
+        for with_h in (False, True):
+            name = f"auto decay {decay}" + (" +h" if with_h else "")
+            dec.step_times = {(True, B, k): 1e-3 * (t + (a.overhead if with_h else 0.0)) for k, t in times.items()}
+
+            class Variant(real):
+                def __init__(self, choices, decay=decay):
+                    super().__init__(choices, decay)
+
+            sg_runtime.KChooser = Variant
+            try:
+                out = [dec.generate(wl[w], a.max_new_tokens, seed=seed).stats for w in ba.WORKLOADS]
+            finally:
+                sg_runtime.KChooser = real
+            rows[name] = [priced(s, times, a.overhead) for s in out]
+            mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
+            print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
+                  + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
+    best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
+    print("\n| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")
+    print("|---|---|---|---|")
+    for n, r in rows.items():
+        vs = " / ".join(f"{r[i] / best[w][0]:.3f}" for i, w in enumerate(ba.WORKLOADS[:2]))
+        k4 = rows.get("K=4")
+        print(f"| {n} | {' / '.join(f'{x:.3f}' for x in r)} | {vs} | "
+              f"{r[2] / k4[2]:.3f} |" if k4 else "n/a |")
+    print("best fixed K: " + ", ".join(f"{w} {best[w][1]}" for w in ba.WORKLOADS))
+
+
+if __name__ == "__main__":
+    main()
