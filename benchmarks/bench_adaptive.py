@@ -2,7 +2,7 @@
 
     python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
         [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--repeats 3]
-        [--pin-in-auto] [--device cuda] [--out benchmarks/RESULTS.md]
+        [--pin-in-auto] [--chooser-variants 0.85+0.09,0.9] [--device cuda] [--out benchmarks/RESULTS.md]
 
 Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
 training window):
@@ -12,7 +12,9 @@ training window):
 
 One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewer compiles; the tail of a
 batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine instead, its choice pinned to
-each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run). A B=1 engine runs its prompts one after another inside one generate call, so
+each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run).
+--chooser-variants runs auto's greedy workloads again with other choosers on the same graphs: another decay
+per row-step, and a host time per replay added to every K's step time (sim_adaptive.py's "+h"). A B=1 engine runs its prompts one after another inside one generate call, so
 "auto" carries what it learnt from request to request. Greedy at each fixed K of --k-set and at K="auto"
 (max_speculative_tokens = the largest K of the set); at temperature 1.0, "token" vs "block" verification
 at each K of --sampling-ks ("auto" there compiles every K again per verification: left out by default). Each engine
@@ -97,20 +99,35 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
 
 
 @contextlib.contextmanager
-def pinned_k(k: int):
-    """The auto engine's chooser replaced by one that always picks K=k (it still reads the counters): the
-    engine then runs its own K=k graph, as a fixed-K engine would, with no compile of its own."""
+def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0):
+    """The auto engine's chooser replaced, for the calls inside: one that always picks K=`pin` (it still reads the
+    counters; the engine then runs its own K graph, as a fixed-K engine would, with no compile of its own), or one
+    with another decay and `host_ms` added to every K's step time (a chooser variant on the same graphs)."""
     real = sg_runtime.KChooser
 
-    class Pinned(real):
-        def choose(self, times):
-            return k
+    class Variant(real):
+        def __init__(self, choices, decay_=None):
+            super().__init__(choices, real.__init__.__defaults__[0] if decay is None else decay)
 
-    sg_runtime.KChooser = Pinned
+        def choose(self, times):
+            if pin is not None:
+                return pin
+            return super().choose({k: t + host_ms / 1e3 for k, t in times.items()})
+
+    sg_runtime.KChooser = Variant
     try:
         yield
     finally:
         sg_runtime.KChooser = real
+
+
+def chooser_variants(spec: str) -> list[tuple[float, float]]:
+    """"0.85,0.9+0.09" -> [(0.85, 0.0), (0.9, 0.09)]: decay per row-step, then + host ms per replay."""
+    out = []
+    for item in (x for x in spec.split(",") if x):
+        decay, _, host = item.partition("+")
+        out.append((float(decay), float(host or 0.0)))
+    return out
 
 
 def measure(dec: SpecDecoder, prompts, temperature: float, a) -> dict:
@@ -146,15 +163,18 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         t1 = time.time()
         dec.generate([prompts["stdlib"][0][:16]], 4, temperature=temp, seed=SEED)  # compile + capture
         caps.append(f"{mode} {time.time() - t1:.1f} s")
-        pins = [None] + (a.k_set if k == AUTO and mode == "greedy" and a.pin_in_auto and not a.skip_fixed else [])
-        for pin in pins:
-            with pinned_k(pin) if pin is not None else contextlib.nullcontext():
+        runs = [(k, {})]
+        if k == AUTO and mode == "greedy":
+            runs += [(f"auto d={d}" + (f"+{h}ms" if h else ""), dict(decay=d, host_ms=h))
+                     for d, h in chooser_variants(a.chooser_variants)]
+            runs += [(pin, dict(pin=pin)) for pin in (a.k_set if a.pin_in_auto and not a.skip_fixed else [])]
+        for kk, how in runs:
+            with chooser_as(**how) if how else contextlib.nullcontext():
                 for w in WORKLOADS:
-                    kk = k if pin is None else pin
                     res[(B, mode, kk, verification, w)] = r = measure(dec, prompts[w], temp, a)
                     progress(f"  B={B} K={kk} {verification} {mode} {w}: {r['tps']:.0f} tok/s, "
                              f"{r['tps_step']:.2f} tok/step, {r['ms_replay']:.3f} ms/replay"
-                             + (f", mean K {r['kmean']:.2f}" if kk == AUTO else ""))
+                             + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
     line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
@@ -187,21 +207,31 @@ def tables(res, a) -> list[str]:
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
                  f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
-                 f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if k == AUTO else k} | "
+                 f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if str(k).startswith(AUTO) else k} | "
                  f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
     L.append("")
     order = lambda kv: (kv[0][0], kv[0][1] != "greedy", kv[0][3], WORKLOADS.index(kv[0][4]))  # noqa: E731
     for (B, mode, k, v, w), r in sorted(res.items(), key=order):
-        if k == AUTO and r["khist"]:
+        if str(k).startswith(AUTO) and r["khist"]:
             hist = ", ".join(f"K={kk}: {n}" for kk, n in r["khist"].items())
-            L.append(f"- K used by auto, B={B} {mode} {v} {w}: {hist}")
+            L.append(f"- K used by {k}, B={B} {mode} {v} {w}: {hist}")
     return L
 
 
 def targets(res, a) -> list[str]:
     L = []
     ok = lambda c: "met" if c else "NOT met"  # noqa: E731
+    autos = sorted({key[2] for key in res if str(key[2]).startswith(AUTO) and key[1] == "greedy"}, key=str)
     for B in a.batch_sizes:
+        for name in (x for x in autos if x != AUTO):  # chooser variants: against the best fixed K and K=4
+            row = [res.get((B, "greedy", name, "token", w)) for w in WORKLOADS]
+            fixed = [{k: res[key]["tps"] for k in a.k_set if (key := (B, "greedy", k, "token", w)) in res}
+                     for w in WORKLOADS]
+            if all(row) and all(fixed):
+                vs = " / ".join(f"{r['tps'] / max(f.values()):.3f}" for r, f in zip(row[:2], fixed[:2]))
+                k4 = res.get((B, "greedy", 4, "token", "mixed"))
+                L.append(f"- B={B} {name}: {vs} of the best fixed K on (i) / (ii)"
+                         + (f"; {row[2]['tps'] / k4['tps']:.3f}x K=4 on (iii)" if k4 else ""))
         for w in ("stdlib", "random"):
             auto = res.get((B, "greedy", AUTO, "token", w))
             fixed = {k: res[key]["tps"] for k in a.k_set if (key := (B, "greedy", k, "token", w)) in res}
@@ -255,6 +285,9 @@ def parse_args():
     ap.add_argument("--skip-sampling", action="store_true")
     ap.add_argument("--skip-greedy", action="store_true", help="only the token vs block comparison")
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
+    ap.add_argument("--chooser-variants", default="",
+                    help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
+                         "replay], comma-separated (e.g. 0.85+0.09,0.9); the same graphs, no compile")
     ap.add_argument("--pin-in-auto", action="store_true",
                     help="run each fixed K in the auto engine with its choice pinned (one compile for all K)")
     ap.add_argument("--repeats", type=int, default=3)
