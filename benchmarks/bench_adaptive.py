@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import datetime
 import random
 import statistics
 import sys
@@ -51,10 +50,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_default_pair import load_corpus, make_prompts  # noqa: E402
 
-from bench_step import _triton_version  # noqa: E402
+from bench_step import report_head  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
+from spec_graph.adaptive import DECAY  # noqa: E402
 from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
 
 WORKLOADS = ("stdlib", "random", "mixed")
@@ -106,8 +106,8 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
     real = sg_runtime.KChooser
 
     class Variant(real):
-        def __init__(self, choices, decay_=None):
-            super().__init__(choices, real.__init__.__defaults__[0] if decay is None else decay)
+        def __init__(self, choices):
+            super().__init__(choices, DECAY if decay is None else decay)
 
         def choose(self, times):
             if pin is not None:
@@ -257,10 +257,7 @@ def targets(res, a) -> list[str]:
 
 
 def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
-    cmd = "python benchmarks/bench_adaptive.py " + " ".join(sys.argv[1:])
-    L = [f"## bench_adaptive — {datetime.date.today().isoformat()}", "",
-         f"- device: {dev_name}; torch {torch.__version__}; triton {_triton_version()}",
-         f"- command: `{cmd}`",
+    L = report_head("bench_adaptive", "bench_adaptive.py", dev_name) + [
          f"- embedded default pair, max_len {MAX_LEN}, {a.max_new_tokens} new tokens, steps_per_graph "
          f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
          f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {a.repeats} timed generate "

@@ -569,10 +569,7 @@ def main_table(a) -> None:
     del hf_t, hf_d
     torch.cuda.empty_cache()
     table = context_table(tdir, ddir, Bs, max_lens, a.iters, bw)
-    cmd = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
-    L = [f"## bench_step --table — {datetime.date.today().isoformat()}", "",
-         f"- device: {sg_platform.current().device_name()}; torch {torch.__version__}; triton {_triton_version()}",
-         f"- command: `{cmd}`",
+    L = report_head("bench_step --table", "bench_step.py", sg_platform.current().device_name()) + [
          f"- the step (c) of the pair (bf16, K={K}) at each static max_len and live context; CUDA-event medians of "
          f"{a.iters}; floor = weights + live KV over the measured copy bandwidth {bw / 1e12:.2f} TB/s; "
          f"whole run {(time.time() - t0) / 60:.1f} min", ""] + table
@@ -622,11 +619,7 @@ def _pass_names():
 
 
 def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
-    cmd = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
-    L = [f"## bench_step — {datetime.date.today().isoformat()}",
-         "",
-         f"- device: {dev_name}; torch {torch.__version__}; triton {_triton_version()}",
-         f"- command: `{cmd}`",
+    L = report_head("bench_step", "bench_step.py", dev_name) + [
          f"- pair: random-weight Llama target 2048x16 (0.85B) + draft 768x4 (74M), bf16, K={K}, context {CONTEXT}, "
          f"static cache {CACHE_LEN} positions; CUDA-event medians of {a.iters} after warm-up",
          f"- measured copy bandwidth {bw / 1e12:.2f} TB/s; whole run {elapsed / 60:.1f} min",
@@ -664,6 +657,13 @@ def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
         L.append(f"- embedded trained pair (graphs, N=8, B=1, K=4): acceptance {real[0]:.3f}, "
                  f"{real[2]:.2f} tokens/step, {real[1]:.3f} ms/token end to end (incl. prefill)")
     return L
+
+
+def report_head(title: str, script: str, dev_name: str) -> list[str]:
+    """A RESULTS.md section's first lines: its title with today's date, the device and versions, the command."""
+    return [f"## {title} — {datetime.date.today().isoformat()}", "",
+            f"- device: {dev_name}; torch {torch.__version__}; triton {_triton_version()}",
+            f"- command: `python benchmarks/{script} " + " ".join(sys.argv[1:]) + "`"]
 
 
 def _triton_version():

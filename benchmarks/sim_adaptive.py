@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_adaptive as ba  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
-from spec_graph import runtime as sg_runtime  # noqa: E402
 
 
 def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
@@ -62,21 +61,12 @@ def main() -> None:
                           for w in ba.WORKLOADS]
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
     dec = engine(ba.AUTO, B, max(ks), a.device)
-    real = sg_runtime.KChooser
+    dec.step_times = {(True, B, k): 1e-3 * t for k, t in times.items()}
     for decay in (float(d) for d in a.decays.split(",")):
         for with_h in (False, True):
             name = f"auto decay {decay}" + (" +h" if with_h else "")
-            dec.step_times = {(True, B, k): 1e-3 * (t + (a.overhead if with_h else 0.0)) for k, t in times.items()}
-
-            class Variant(real):
-                def __init__(self, choices, decay=decay):
-                    super().__init__(choices, decay)
-
-            sg_runtime.KChooser = Variant
-            try:
+            with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0):
                 out = [dec.generate(wl[w], a.max_new_tokens, seed=seed).stats for w in ba.WORKLOADS]
-            finally:
-                sg_runtime.KChooser = real
             rows[name] = [priced(s, times, a.overhead) for s in out]
             mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
             print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
@@ -87,8 +77,7 @@ def main() -> None:
     for n, r in rows.items():
         vs = " / ".join(f"{r[i] / best[w][0]:.3f}" for i, w in enumerate(ba.WORKLOADS[:2]))
         k4 = rows.get("K=4")
-        print(f"| {n} | {' / '.join(f'{x:.3f}' for x in r)} | {vs} | "
-              f"{r[2] / k4[2]:.3f} |" if k4 else "n/a |")
+        print(f"| {n} | {' / '.join(f'{x:.3f}' for x in r)} | {vs} | " + (f"{r[2] / k4[2]:.3f} |" if k4 else "n/a |"))
     print("best fixed K: " + ", ".join(f"{w} {best[w][1]}" for w in ba.WORKLOADS))
 
 
