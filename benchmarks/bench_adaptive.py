@@ -14,12 +14,14 @@ One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewe
 batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine instead, its choice pinned to
 each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run).
 --chooser-variants runs auto's greedy workloads again with other choosers on the same graphs: another decay
-per row-step, and a host time per replay added to every K's step time (sim_adaptive.py's "+h"). A B=1 engine runs its prompts one after another inside one generate call, so
-"auto" carries what it learnt from request to request. Greedy at each fixed K of --k-set and at K="auto"
-(max_speculative_tokens = the largest K of the set); at temperature 1.0, "token" vs "block" verification
-at each K of --sampling-ks ("auto" there compiles every K again per verification: left out by default). Each engine
-first runs a 4-token generate per mode (its compile and capture, timed apart). Each workload then runs
-once untimed and once timed per seed 0..--repeats-1; tokens/s = generated tokens / wall time of a timed
+per row-step, and a host time per replay added to every K's step time (sim_adaptive.py's "+h").
+
+A B=1 engine runs its prompts one after another inside one generate call, so "auto" carries what it learnt
+from request to request. Greedy at each fixed K of --k-set and at K="auto" (max_speculative_tokens = the
+largest K of the set); at temperature 1.0, "token" vs "block" verification at each K of --sampling-ks ("auto"
+there compiles every K again per verification: left out by default). Each engine first runs a 4-token
+generate per mode (its compile and capture, timed apart). Each workload then runs once untimed and once timed
+per seed 0..--repeats-1; tokens/s = generated tokens / wall time of a timed
 generate call (prefills included; the median call), tokens/step and the K histogram pooled over them.
 
 Targets checked at the end: auto within 3% of the best fixed K on (i) and (ii); auto >= 1.10x K=4 on

@@ -98,7 +98,8 @@ def sweep(plat, dev, dt, rep: int) -> None:
     """Best (splits, BLOCK_N, warps, stages) per long-context case against the automatic choice."""
     import triton.testing
 
-    print("\n| model | T | Lc | live | auto us | auto GB/s | best (splits, BLOCK_N, warps, stages) | best us | best GB/s |")
+    print("\n| model | T | Lc | live | auto us | auto GB/s | best (splits, BLOCK_N, warps, stages) | best us "
+          "| best GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, T in (("target", 5), ("draft", 1)):
         Hq, Hkv, D = MODELS[model]

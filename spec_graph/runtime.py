@@ -321,8 +321,9 @@ class DecoderBase:
     def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
         """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
         rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
-        at two lengths (one where attention covers the whole cache anyway), then the state is put back (no request is active during capture: the scratch tokens
-        written go to free slots, which a prefill resets). Fixed from here on: the chooser stays deterministic."""
+        at two lengths (one where attention covers the whole cache anyway), then the state is put back (no
+        request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
+        Fixed from here on: the chooser stays deterministic."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
         lo = 16
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
