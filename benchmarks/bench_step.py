@@ -21,7 +21,9 @@ over time). ``--max-len`` / ``--context`` move the static cache length and the l
     python benchmarks/bench_step.py --table [--batch-sizes 1,8] [--table-max-lens 640,8192,32768]
 
 ``--inductor-variants pdl,autotune,coordesc`` also times (c) at the first batch size compiled with each of those
-inductor settings (see INDUCTOR_VARIANTS), against the default compile of the same run.
+inductor settings (see INDUCTOR_VARIANTS), against the default compile of the same run. ``--layer-variants
+none,target,draft`` times (c) at every batch size with the fused decode linear layers (kernels/decode_linear.py)
+in those models only (see LAYER_VARIANTS; the default fuses both), against the default of the same run.
 
 times (c) alone at contexts 512 / 4k / 16k / 32k for each max_len where they fit, each with its floor
 (weights plus the live KV only): the step's cost should follow the context, not max_len.
@@ -64,6 +66,8 @@ HOST_REPEATS = 5  # generations timed for the host CPU figure; the median is rep
 # templates chosen by autotuning (with epilogue fusion), tuned pointwise/reduction launches
 INDUCTOR_VARIANTS = {"pdl": {"triton.enable_pdl": True}, "autotune": {"max_autotune_gemm": True},
                      "coordesc": {"coordinate_descent_tuning": True}}
+# (target, draft) fused decode linear layers of a --layer-variants run; the default step fuses both
+LAYER_VARIANTS = {"none": (False, False), "target": (True, False), "draft": (False, True)}
 
 
 def progress(msg: str) -> None:
@@ -292,11 +296,13 @@ def bench_specgraph(dec: SpecDecoder, B: int, iters: int, per: int, kernels: dic
 
 
 def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, bar: Bar,
-                  max_len: int | None = None) -> SpecDecoder:
+                  max_len: int | None = None, fused: tuple | None = None) -> SpecDecoder:
     cfg = SpecGraphConfig(num_speculative_tokens=K, max_batch_size=max(batch_sizes), max_len=max_len or MAX_LEN,
                           dtype="bfloat16", batch_buckets=tuple(batch_sizes), steps_per_graph=steps_per_graph,
                           passes=passes)
     dec = SpecDecoder.from_pretrained(tdir, ddir, cfg)
+    if fused is not None:
+        dec.target.fused_layers, dec.draft.fused_layers = fused
     orig = dec.graphs.capture
 
     def capture(key, f, warmup=2):
@@ -446,10 +452,14 @@ def main():
     ap.add_argument("--inductor-variants", default="",
                     help=f"also time (c) at the first batch size compiled with these inductor settings: "
                          f"{','.join(INDUCTOR_VARIANTS)}")
+    ap.add_argument("--layer-variants", default="",
+                    help=f"also time (c) at every batch size with the fused decode linear layers in these models "
+                         f"only: {','.join(LAYER_VARIANTS)}")
     a = ap.parse_args()
-    unknown = {v for v in a.inductor_variants.split(",") if v} - set(INDUCTOR_VARIANTS)
-    if unknown:
-        ap.error(f"unknown --inductor-variants {sorted(unknown)}; choose from {','.join(INDUCTOR_VARIANTS)}")
+    for opt, known in (("inductor_variants", INDUCTOR_VARIANTS), ("layer_variants", LAYER_VARIANTS)):
+        unknown = {v for v in getattr(a, opt).split(",") if v} - set(known)
+        if unknown:
+            ap.error(f"unknown --{opt.replace('_', '-')} {sorted(unknown)}; choose from {','.join(known)}")
     if not torch.cuda.is_available():
         sys.exit("bench_step.py needs a CUDA GPU")
     MAX_LEN, CONTEXT = a.max_len, a.context
@@ -547,6 +557,15 @@ def main():
 
         res[Bs[0]][f"c_{name}"] = attempt(f"c_{name}", errors, variant)
         flush(bw)
+    for name in (v for v in a.layer_variants.split(",") if v):
+        progress(f"(c-layers-{name}) spec-graph with fused decode linear layers in {name}")
+        for b in Bs:
+            def layers(b=b, fused=LAYER_VARIANTS[name]):
+                dec_v = build_decoder(tdir, ddir, [b], {}, 1, Bar(1, "compile"), fused=fused)
+                return bench_specgraph(dec_v, b, a.iters, 1)
+
+            res[b][f"c_layers_{name}"] = attempt(f"c_layers_{name}", errors, layers)
+            flush(bw)
     if "host" not in skip and dec is not None:
         progress("host CPU time per token, N=1 vs N=8")
         hb = Bs[min(1, len(Bs) - 1)]
@@ -652,6 +671,11 @@ def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
         t, base = res[Bs[0]].get(f"c_{name}"), res[Bs[0]].get("c")
         L.append(f"- (c) compiled with inductor {INDUCTOR_VARIANTS[name]}, B={Bs[0]}: {f(t)} ms"
                  + (f" ({t / base:.3f}x the default)" if isinstance(t, float) and isinstance(base, float) else ""))
+    for name in (v for v in a.layer_variants.split(",") if v):
+        for b in Bs:
+            t, base = res[b].get(f"c_layers_{name}"), res[b].get("c")
+            L.append(f"- (c) with fused decode linear layers in {name} (default: both), B={b}: {f(t)} ms"
+                     + (f" ({t / base:.3f}x the default)" if isinstance(t, float) and isinstance(base, float) else ""))
     L += host_lines(Bs[min(1, len(Bs) - 1)], host1, host8)
     if real is not None:
         L.append(f"- embedded trained pair (graphs, N=8, B=1, K=4): acceptance {real[0]:.3f}, "

@@ -121,6 +121,21 @@ def interpreter_while_testing(on: bool, env_before: str | None):
             os.environ["TRITON_INTERPRET"] = env_before
 
 
+def run_module_in_fresh_process(test_file: str) -> None:
+    """Run a kernel test module again in a new process with TRITON_INTERPRET=1 set before triton's import
+    (something in this process imported triton first); fail unless its tests pass there."""
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = Path(test_file).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
+                       cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert re.search(r"\b\d+ passed", r.stdout), r.stdout[-2000:]
+
+
 class FakeGraph:
     def __init__(self, log):
         self.fn, self.log = None, log

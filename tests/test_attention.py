@@ -18,16 +18,13 @@ if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().na
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing  # noqa: E402
+from helpers import interpreter_while_testing, run_module_in_fresh_process  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
@@ -73,12 +70,7 @@ def _require_kernel():
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")
 def test_attention_suite_in_a_fresh_process():
     """Something imported triton before TRITON_INTERPRET=1 could be set: run this module afresh."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
-                       cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert re.search(r"\b\d+ passed", r.stdout), r.stdout[-2000:]
+    run_module_in_fresh_process(__file__)
 
 
 def test_triton_path_really_runs():

@@ -9,7 +9,9 @@ Decode and verify forwards (few query positions) attend through the fused
 ``spec_graph::decode_attention`` op, whose work follows each row's live length
 (read from ``positions`` on the device); where the Triton kernels do not run
 (CPU), and for prefills, attention covers the whole buffer under a position
-mask. Shapes stay static either way.
+mask. Shapes stay static either way. Those forwards also run each layer's
+products as fused kernels (kernels/decode_linear.py: the norms, RoPE, SiLU*up
+and the residual adds folded in) where the rows fit (FUSED_LAYERS).
 """
 from __future__ import annotations
 
@@ -21,11 +23,15 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention
+from ..kernels.decode_linear import decode_gate_up, decode_linear, decode_qkv_rope, fused_rows_ok
 from .config import ModelArgs
 
 # Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
 # decode and verify steps; a prefill's many rows take the matmul path.
 DECODE_ATTENTION_ROWS = 64
+# Decode and verify forwards run each layer as four fused linear kernels (kernels/decode_linear.py) beside the
+# attention op, where that op runs and the rows fit; False keeps nn.Linear (benchmarks compare the two).
+FUSED_LAYERS = True
 
 
 class RMSNorm(nn.Module):
@@ -87,31 +93,39 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
         k = k.reshape(B, T, self.n_kv, self.head_dim)
-        v = v.reshape(B, T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attend(q, k, v, positions, k_cache, v_cache, slots)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
-        rows = (torch.arange(B, device=x.device) if slots is None else slots)[:, None, None]
-        heads = torch.arange(self.n_kv, device=x.device)[None, None, :]
+    def uses_decode_attention(self, x) -> bool:
+        T = x.shape[1]
+        # a symbolic T (an export's dynamic prefill length) takes the matmul path: no guard on T
+        return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
+                and platform.use_triton(x.device))
+
+    def attend(self, q, k, v, positions, k_cache, v_cache, slots):
+        """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]."""
+        B, T = q.shape[:2]
+        v = v.reshape(B, T, self.n_kv, self.head_dim)
+        rows = (torch.arange(B, device=q.device) if slots is None else slots)[:, None, None]
+        heads = torch.arange(self.n_kv, device=q.device)[None, None, :]
         pos = positions[:, :, None]
         # Index the whole 5-D buffer, not a per-layer view of it: a mutated view makes
         # functionalization (and so inductor) copy the entire cache at every layer.
         idx = (torch.full_like(rows, self.layer), rows, heads, pos)
         k_cache.index_put_(idx, k)
         v_cache.index_put_(idx, v)
+        if self.uses_decode_attention(q):
+            return decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
         g = self.n_heads // self.n_kv
-        # a symbolic T (an export's dynamic prefill length) takes the matmul path: no guard on T
-        fused = self.fused_decode and isinstance(T, int) and g * T <= DECODE_ATTENTION_ROWS
-        if fused and platform.use_triton(x.device):
-            out = decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
-            return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
         kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views, read only
         # Rows 0..B-1 are slots 0..B-1 in the step: a slice reads the cache without a gather copy.
         keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
 
         L = keys.shape[2]
-        kpos = torch.arange(L, device=x.device)
+        kpos = torch.arange(L, device=q.device)
         mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
         if self.window:
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
@@ -122,7 +136,7 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.n_kv, g * T, L)
         out = (probs @ values).view(B, self.n_kv, g, T, self.head_dim).permute(0, 3, 1, 2, 4)
-        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+        return out.reshape(B, T, self.n_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -144,10 +158,27 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        self.fused = None  # None: FUSED_LAYERS decides; Transformer.fused_layers sets it per model
 
     def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
+        fused = FUSED_LAYERS if self.fused is None else self.fused
+        if fused and self.self_attn.q_norm is None and fused_rows_ok(x) and self.self_attn.uses_decode_attention(x):
+            return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots):
+        """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in."""
+        B, T, _ = x.shape
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv = decode_qkv_rope(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
+                              sin[:, :, 0], attn.n_heads + attn.n_kv, attn.head_dim)
+        q, k, v = qkv.split(attn.qkv_split, dim=-1)
+        out = attn.attend(q.view(B, T, attn.n_heads, attn.head_dim), k.view(B, T, attn.n_kv, attn.head_dim), v,
+                          positions, k_cache, v_cache, slots)
+        x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps)
+        return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
 
 
 class Backbone(nn.Module):
@@ -173,6 +204,16 @@ class Transformer(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    @property
+    def fused_layers(self):
+        return self.model.layers[0].fused
+
+    @fused_layers.setter
+    def fused_layers(self, on):
+        """Fused decode linear kernels for this model (True / False), or as FUSED_LAYERS says (None)."""
+        for layer in self.model.layers:
+            layer.fused = on
+
     def new_kv_cache(self, slots: int, cache_len: int, dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
         ref = self.model.embed_tokens.weight
@@ -188,6 +229,8 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, k_cache, v_cache, slots)
-        x = self.model.norm(x)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()
+        fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
+        if fused and fused_rows_ok(x) and self.model.layers[0].self_attn.uses_decode_attention(x):
+            return decode_linear(x, w, None, self.model.norm.weight, self.model.norm.eps).float()
+        return F.linear(self.model.norm(x), w).float()

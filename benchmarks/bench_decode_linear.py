@@ -1,0 +1,137 @@
+"""The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
+
+    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep]
+
+For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
+gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
+count M (B x positions), times
+  - cublas: F.linear alone (the matmul the fused kernel replaces; its norm and epilogue kernels not counted)
+  - fused: the spec_graph op, at the launch configuration `launch_config` picks (and, with --sweep, the
+    best of a grid of (DOT, BLOCK_N, BLOCK_K, warps, stages), printed for the choices in `launch_config`)
+Each timing captures REPS calls in one CUDA graph, each call on its own copy of the weights (as the layers
+of a forward: nothing is served from L2), and reports the median replay time / REPS. GB/s counts the
+weight bytes. CUDA only.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_step as bs  # noqa: E402
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.kernels import decode_linear as dl  # noqa: E402
+
+REPS = 16
+# (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS rows,
+# tensor-core sums above
+GRID_CUDA_CORES = [(False, n, k, w, 2) for n, k, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))]
+GRID_DOT = [(True, n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
+
+
+def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each linear layer of a bench_step model config."""
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = H // Hq
+    return [("qkv", (Hq + 2 * Hkv) * D, H), ("o", H, Hq * D), ("gate_up", 2 * I, H), ("down", H, I),
+            ("lm_head", V, H)]
+
+
+def timed(plat, fn, iters: int = 20) -> float:
+    """ms per call of fn (which makes REPS calls), captured in one graph; median of iters replays."""
+    stream = plat.new_stream()
+    with plat.on_side_stream(stream):
+        fn()
+    plat.join_stream(stream)
+    plat.synchronize()
+    graph = plat.new_graph()
+    plat.record(graph, fn)
+    for _ in range(3):
+        plat.replay(graph)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        plat.replay(graph)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / REPS
+
+
+def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
+    """(cublas, fused) callables of REPS calls each, on REPS weight copies."""
+    torch.manual_seed(0)
+    ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(REPS)]
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    nw = torch.ones(K, device=dev, dtype=dt)
+    r = torch.randn(M, N, device=dev, dtype=dt)
+    D = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
+    rope_heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
+    ops = {
+        "qkv": lambda w: dl.decode_qkv_rope(x, w, None, nw, 1e-6, cos, sin, rope_heads, D),
+        "o": lambda w: dl.decode_linear(x, w, residual=r),
+        "gate_up": lambda w: dl.decode_gate_up(x, w, None, nw, 1e-6),
+        "down": lambda w: dl.decode_linear(x, w, residual=r),
+        "lm_head": lambda w: dl.decode_linear(x, w, None, nw, 1e-6),
+    }
+    op = ops[name]
+    return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,5,8,16")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
+    ap.add_argument("--sweep-rows", default="1,5,8", help="row counts the sweep covers")
+    a = ap.parse_args()
+    plat = sg_platform.current()
+    if plat.name != "cuda":
+        sys.exit("bench_decode_linear.py needs a CUDA GPU")
+    import triton
+
+    dev, dt = plat.device, torch.bfloat16
+    print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, triton {triton.__version__}")
+    print("| model | layer | M | N | K | cublas us | fused us | fused/cublas | fused GB/s | default config "
+          "| best config | best us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
+        for name, N, K in layer_shapes(cfg):
+            for M in (int(m) for m in a.rows.split(",")):
+                cublas, fused = calls(name, M, N, K, cfg, dev, dt)
+                t_c = timed(plat, cublas)
+                t_f = timed(plat, fused)
+                paired = name in ("qkv", "gate_up")
+                default = dl.launch_config(M, N // 2 if paired else N, K, paired)
+                best, t_best = default, t_f
+                if a.sweep and str(M) in a.sweep_rows.split(","):
+                    for conf in GRID_CUDA_CORES if M <= dl.CUDA_CORE_ROWS else GRID_DOT:
+                        dl.LAUNCH.update(DOT=conf[0], BLOCK_N=conf[1], BLOCK_K=conf[2], num_warps=conf[3],
+                                         num_stages=conf[4])
+                        try:
+                            t = timed(plat, fused, iters=10)
+                        except Exception as e:  # e.g. out of shared memory at this tile size
+                            print(f"<!-- {name} M={M} {conf}: {type(e).__name__} -->")
+                            t = float("inf")
+                        finally:
+                            dl.LAUNCH.clear()
+                        if t < t_best:
+                            best, t_best = conf, t
+                gbs = N * K * 2 / (t_f * 1e-3) / 1e9
+                print(f"| {model} | {name} | {M} | {N} | {K} | {t_c * 1e3:.1f} | {t_f * 1e3:.1f} | {t_f / t_c:.2f} | "
+                      f"{gbs:.0f} | {default} | {best} | {t_best * 1e3:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

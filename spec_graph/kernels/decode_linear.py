@@ -1,0 +1,323 @@
+"""Fused linear layers for decode and verify forwards (few rows): RMSNorm in the prologue, RoPE, SiLU*up or
+the residual add in the epilogue. One kernel replaces a norm, a matmul and a pointwise kernel of the layer.
+
+    decode_linear(x, w, b=None, norm_w=None, eps=0.0, residual=None)  -> [..., N]
+        y = residual + rmsnorm(x) @ w.T + b           (each part optional)
+    decode_gate_up(x, w, b=None, norm_w=None, eps=0.0)                 -> [..., I], w: [2I, H]
+        g, u = split(rmsnorm(x) @ w.T + b);  y = silu(g) * u
+    decode_qkv_rope(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim) -> [..., N]
+        y = rmsnorm(x) @ w.T + b, then rotate-half RoPE on the first rope_heads heads of head_dim columns
+
+- x: [..., H] with M = prod(leading dims) rows (M <= MAX_ROWS); w: [N, H] row-major (nn.Linear's);
+  cos, sin: [..., D] broadcast per row as models/llama.py builds them.
+- Rounding follows the modules they replace in x's dtype: the norm rounds x * rstd, then norm_w * h; the
+  matmul accumulates in fp32 and rounds once (bias added before); SiLU*up, RoPE and the residual add are
+  computed in fp32 from the rounded matmul output and rounded once (as inductor fuses them).
+
+The `*_ref` functions are the plain-torch math, which the CPU path runs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from ._triton import tl, triton
+
+from .rng import block_for, use_kernel, wrap_triton
+
+MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
+CUDA_CORE_ROWS = 0  # up to this many rows the sums run on CUDA cores (measured slower on an H200: off)
+PLAIN, SILU_MUL, ROPE = 0, 1, 2  # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
+# Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for benchmarks and tests; empty: `launch_config`.
+LAUNCH: dict = {}
+
+
+# ------------------------------------------------------------------ torch references
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _normed(x, norm_w, eps):
+    return x if norm_w is None else rms_norm_ref(x, norm_w, eps)
+
+
+def decode_linear_ref(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None):
+    y = F.linear(_normed(x, norm_w, eps), w, b)
+    return y if residual is None else residual + y
+
+
+def decode_gate_up_ref(x, w, b=None, norm_w=None, eps: float = 0.0):
+    gate, up = F.linear(_normed(x, norm_w, eps), w, b).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_ref(x, cos, sin):
+    """Rotate-half RoPE: x [..., H, D], cos/sin [..., 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def decode_qkv_rope_ref(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head_dim: int):
+    y = F.linear(_normed(x, norm_w, eps), w, b)
+    lead = y.shape[:-1]
+    heads = y.view(*lead, -1, head_dim)
+    roped = rope_ref(heads[..., :rope_heads, :], cos.unsqueeze(-2), sin.unsqueeze(-2))
+    return torch.cat((roped, heads[..., rope_heads:, :]), dim=-2).view(*lead, -1)
+
+
+# ------------------------------------------------------------------ Triton kernel
+@triton.jit
+def _dot_t(x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BM, BK] @ w[BN, BK].T in fp32 (IEEE: no TF32 for fp32; UPCAST: fp32 operands for the interpreter)."""
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _rnd(x, dt: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 x rounded to dt (to nearest, ties to even) and back to fp32. The interpreter truncates fp32 to bf16,
+    so there the rounding is done on the bits (UPCAST)."""
+    if UPCAST and dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _pair_rows(offs_n, N, MODE: tl.constexpr, HALF: tl.constexpr):
+    """Weight rows (ra, rb) of output columns n, and d (the RoPE pair index; unused elsewhere)."""
+    if MODE == 2:  # ROPE
+        d = offs_n % HALF
+        ra = (offs_n // HALF) * (2 * HALF) + d
+        return ra, ra + HALF, d
+    else:
+        return offs_n, offs_n + N, offs_n
+
+
+@triton.jit
+def _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K: tl.constexpr):
+    """rsqrt(mean_k x[m, k]^2 + eps) per row m, in fp32."""
+    eps = tl.cast(eps, tl.float32)  # inductor passes Python floats as fp64
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros(offs_m.shape, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        xk = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
+                     other=0.0).to(tl.float32)
+        ss += tl.sum(xk * xk, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr):
+    """x[m, kk] in x's dtype, RMS-normed as RMSNorm rounds it (x * rstd, then weight * h) when HAS_NORM."""
+    xk = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if HAS_NORM:
+        dt = x_ptr.dtype.element_ty
+        h = _rnd(xk.to(tl.float32) * rstd[:, None], dt, UPCAST)
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)
+        xk = _rnd(nw.to(tl.float32)[None, :] * h, dt, UPCAST).to(dt)
+    return xk
+
+
+@triton.jit
+def _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+              ROPE_COLS, srm, scm, som, MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, UPCAST: tl.constexpr):
+    """Bias, rounding, then the mode's epilogue on fp32 sums [BLOCK_M, BLOCK_N] (see _decode_linear_kernel)."""
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + ra, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if MODE != 0:
+            acc_b += tl.load(b_ptr + rb, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    a = _rnd(acc_a, dt, UPCAST)
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    if MODE == 0:  # PLAIN
+        if HAS_RES:
+            a += tl.load(r_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mn_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * som + offs_n[None, :], _rnd(a, dt, UPCAST).to(dt), mask=mn_ok)
+    elif MODE == 1:  # SILU_MUL
+        c = _rnd(acc_b, dt, UPCAST)
+        y = a / (1.0 + tl.exp(-a)) * c
+        tl.store(out_ptr + offs_m[:, None] * som + offs_n[None, :], _rnd(y, dt, UPCAST).to(dt), mask=mn_ok)
+    else:  # ROPE
+        c = _rnd(acc_b, dt, UPCAST)
+        rot = (ra < ROPE_COLS)[None, :]
+        cs_ok = mn_ok & rot
+        cos_a = tl.load(cos_ptr + offs_m[:, None] * scm + d[None, :], mask=cs_ok, other=1.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + offs_m[:, None] * scm + d[None, :], mask=cs_ok, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + offs_m[:, None] * scm + (d + HALF)[None, :], mask=cs_ok, other=1.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + offs_m[:, None] * scm + (d + HALF)[None, :], mask=cs_ok, other=0.0).to(tl.float32)
+        ya = tl.where(rot, a * cos_a - c * sin_a, a)
+        yb = tl.where(rot, c * cos_b + a * sin_b, c)
+        tl.store(out_ptr + offs_m[:, None] * som + ra[None, :], _rnd(ya, dt, UPCAST).to(dt), mask=mn_ok)
+        tl.store(out_ptr + offs_m[:, None] * som + rb[None, :], _rnd(yb, dt, UPCAST).to(dt), mask=mn_ok)
+
+
+@triton.jit
+def _decode_linear_kernel(
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+        M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
+        MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+        HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns n of program pid: n = pid * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row block).
+
+        xn[m]   = x[m]                                             (no norm)
+                = rnd(nw * rnd(x[m] * rsqrt(mean_k x[m,k]^2 + eps)))  (norm; rnd: to x's dtype)
+        a[m, n] = rnd(xn[m] . w[ra(n)] + b[ra(n)]),  c[m, n] = same with row rb(n)     (fp32 sums)
+    PLAIN:    ra = n;                       out[m, n] = rnd(r[m, n] + a)  (or rnd(a) with no residual)
+    SILU_MUL: ra = n, rb = n + N;           out[m, n] = rnd(silu(a) * c)
+    ROPE:     ra = h*2*HALF + d, rb = ra + HALF for n = h*HALF + d;  where ra < ROPE_COLS:
+              out[m, ra] = rnd(a cos[m, d] - c sin[m, d]), out[m, rb] = rnd(c cos[m, d+HALF] + a sin[m, d+HALF]);
+              other heads: out[m, ra] = a, out[m, rb] = c
+    DOT: the sums on tensor cores (tl.dot; every block dim >= 16); else on CUDA cores, each thread keeping
+    partial products over K until one reduction at the end (few rows: the weight tile is read once and
+    multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading).
+    """
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ra, rb, d = _pair_rows(offs_n, N, MODE, HALF)
+    if HAS_NORM:
+        rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+
+    if DOT:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
+        wa = tl.load(w_ptr + ra[:, None] * swn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT:
+            acc_a += _dot_t(xk, wa, IEEE, UPCAST)
+        else:
+            xf = xk.to(tl.float32)[:, None, :]
+            acc3_a += xf * wa.to(tl.float32)[None, :, :]
+        if MODE != 0:  # paired: a second row block
+            wb = tl.load(w_ptr + rb[:, None] * swn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT:
+                acc_b += _dot_t(xk, wb, IEEE, UPCAST)
+            else:
+                acc3_b += xf * wb.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc_a = tl.sum(acc3_a, axis=2)
+        acc_b = tl.sum(acc3_b, axis=2)
+    _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+              ROPE_COLS, srm, scm, som, MODE, HALF, HAS_BIAS, HAS_RES, UPCAST)
+
+
+# ------------------------------------------------------------------ launch
+def launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
+    """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) from static shapes: the best of a sweep on an H200
+    (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows. Up to CUDA_CORE_ROWS rows the sums
+    run on CUDA cores (0: never; slower there), above on tensor cores."""
+    if LAUNCH:
+        return (LAUNCH.get("DOT", rows > CUDA_CORE_ROWS), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
+                LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
+    if rows <= CUDA_CORE_ROWS:
+        return False, 4, 256 if rows <= 2 else 128, 4, 2
+    block_k = min(256, max(16, block_for(k)))
+    if cols >= 16384:  # vocabulary heads
+        return True, 64, min(128, block_k), 8, 3
+    if paired and cols >= 4096:  # a large gate_up
+        return True, 64, min(128, block_k), 8, 4
+    if paired and cols < 1024:  # a small qkv
+        return True, 16, block_k, 4, 3
+    return True, 32, block_k, 4, 4
+
+
+def fused_rows_ok(x: torch.Tensor) -> bool:
+    """Whether x's rows fit the fused kernels' one row block."""
+    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+
+
+def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog):
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"the fused decode kernels take at most {MAX_ROWS} rows (got {M}); use F.linear")
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    r2 = residual.reshape(M, -1) if residual is not None else out
+    if residual is not None and r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    c2 = cos.reshape(M, -1).contiguous() if cos is not None else out
+    s2 = sin.reshape(M, -1).contiguous() if sin is not None else out
+    dot, block_n, block_k, warps, stages = launch_config(M, n_prog, K, mode != PLAIN)
+    grid = (triton.cdiv(n_prog, block_n),)
+    wrap_triton(_decode_linear_kernel)[grid](
+        x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
+        M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
+        MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
+        DOT=dot, IEEE=x.dtype == torch.float32, UPCAST=x.device.type == "cpu",
+        BLOCK_M=max(16, block_for(M)) if dot else block_for(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages)
+    return out.view(*x.shape[:-1], n_out)
+
+
+@torch.library.triton_op("spec_graph::decode_linear", mutates_args=())
+def _decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+                      norm_w: Optional[torch.Tensor] = None, eps: float = 0.0,
+                      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if not use_kernel(_decode_linear_kernel, x):
+        return decode_linear_ref(x, w, b, norm_w, eps, residual)
+    N = w.shape[0]
+    return _launch(PLAIN, x, w, b, norm_w, eps, residual, None, None, 0, 1, N, N)
+
+
+@torch.library.triton_op("spec_graph::decode_gate_up", mutates_args=())
+def _decode_gate_up_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+                       norm_w: Optional[torch.Tensor] = None, eps: float = 0.0) -> torch.Tensor:
+    if not use_kernel(_decode_linear_kernel, x):
+        return decode_gate_up_ref(x, w, b, norm_w, eps)
+    inter = w.shape[0] // 2
+    return _launch(SILU_MUL, x, w, b, norm_w, eps, None, None, None, 0, 1, inter, inter)
+
+
+@torch.library.triton_op("spec_graph::decode_qkv_rope", mutates_args=())
+def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
+                        eps: float, cos: torch.Tensor, sin: torch.Tensor, rope_heads: int,
+                        head_dim: int) -> torch.Tensor:
+    if not use_kernel(_decode_linear_kernel, x):
+        return decode_qkv_rope_ref(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim)
+    N = w.shape[0]
+    if head_dim % 2 or N % head_dim:
+        raise ValueError(f"decode_qkv_rope needs an even head_dim dividing the output width (N={N}, D={head_dim})")
+    return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, rope_heads * head_dim, head_dim // 2, N, N // 2)
+
+
+def decode_linear(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None) -> torch.Tensor:
+    """residual + rmsnorm(x) @ w.T + b for a few rows (op `spec_graph::decode_linear`; see the module docstring)."""
+    return torch.ops.spec_graph.decode_linear(x, w, b, norm_w, float(eps), residual)
+
+
+def decode_gate_up(x, w, b=None, norm_w=None, eps: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up of rmsnorm(x) @ w.T + b, w = [gate; up] (op `spec_graph::decode_gate_up`)."""
+    return torch.ops.spec_graph.decode_gate_up(x, w, b, norm_w, float(eps))
+
+
+def decode_qkv_rope(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head_dim: int) -> torch.Tensor:
+    """rmsnorm(x) @ w.T + b with RoPE on the first `rope_heads` heads (op `spec_graph::decode_qkv_rope`)."""
+    return torch.ops.spec_graph.decode_qkv_rope(x, w, b, norm_w, float(eps), cos, sin, int(rope_heads),
+                                                int(head_dim))

@@ -1,0 +1,318 @@
+"""decode_linear / decode_gate_up / decode_qkv_rope: the Triton kernel against its torch references, and the
+fused decoder layer against the module path.
+
+Same interpreter arrangement as test_attention.py: on a CPU machine the kernels run under
+TRITON_INTERPRET=1 (in a fresh process if triton was imported too early); on a GPU the compiled kernels run.
+"""
+import os
+import sys
+
+from spec_graph import platform  # imports torch, not triton
+
+_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
+if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().name == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from helpers import interpreter_while_testing, run_module_in_fresh_process  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_dl = importlib.import_module("spec_graph.kernels.decode_linear")
+from spec_graph.kernels.decode_linear import (  # noqa: E402
+    decode_gate_up, decode_gate_up_ref, decode_linear, decode_linear_ref, decode_qkv_rope, decode_qkv_rope_ref,
+    rope_ref)
+
+if _ENV_BEFORE is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+
+COMPILED = isinstance(_dl._decode_linear_kernel, JITFunction)
+INTERPRETER_BUILDS = not COMPILED and not isinstance(tl.min, JITFunction)
+DEV = platform.current().device if (COMPILED and platform.current().name != "cpu") else torch.device("cpu")
+NEEDS_FRESH_PROCESS = DEV.type == "cpu" and not INTERPRETER_BUILDS
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# bf16: one rounding of the output apart (fp32 sums in another order can round the other way)
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_on_while_testing():
+    with interpreter_while_testing(DEV.type == "cpu" and INTERPRETER_BUILDS, _ENV_BEFORE):
+        yield
+
+
+@contextlib.contextmanager
+def launch(dot, block_n, block_k):
+    """The kernels' launch configuration set (tensor-core or CUDA-core sums, tile sizes), restored afterwards."""
+    saved = dict(_dl.LAUNCH)
+    _dl.LAUNCH.update(DOT=dot, BLOCK_N=block_n if dot else block_n // 4, BLOCK_K=block_k)
+    try:
+        yield
+    finally:
+        _dl.LAUNCH.clear()
+        _dl.LAUNCH.update(saved)
+
+
+def _require_kernel():
+    if NEEDS_FRESH_PROCESS:
+        pytest.skip("triton was imported before this module: run by test_decode_linear_suite_in_a_fresh_process")
+    assert platform.use_triton(DEV), "kernel tests would compare the reference with itself"
+    assert _dl.use_kernel(_dl._decode_linear_kernel, torch.zeros(1, device=DEV)), f"no kernel on {DEV}"
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")
+def test_decode_linear_suite_in_a_fresh_process():
+    run_module_in_fresh_process(__file__)
+
+
+def _close(a, b, dtype) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a.float(), b.float(), **TOL[dtype])
+
+
+def _rope_tables(B, T, D, dtype, g):
+    pos = torch.randint(0, 4096, (B, T), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = pos[..., None].float() * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@st.composite
+def linear_case(draw):
+    B = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 5))
+    dot = draw(st.booleans())
+    K = draw(st.sampled_from([16, 24, 48, 64, 100, 128]))
+    block_n = draw(st.sampled_from([16, 32]))
+    block_k = draw(st.sampled_from([16, 32, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    bias, norm = draw(st.booleans()), draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    return B, T, K, (dot, block_n, block_k), dtype, bias, norm, seed
+
+
+def _inputs(B, T, K, N, dtype, bias, norm, g):
+    x = torch.randn(B, T, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    nw = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype) if norm else None
+    return x, w, b, nw
+
+
+def _dev(*xs):
+    return [x.to(DEV) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(linear_case(), st.integers(1, 70), st.booleans())
+def test_linear_matches_reference(case, N, residual):
+    _require_kernel()
+    B, T, K, conf, dtype, bias, norm, seed = case
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, nw = _inputs(B, T, K, N, dtype, bias, norm, g)
+    r = torch.randn(B, T, N, generator=g).to(dtype) if residual else None
+    args = _dev(x, w, b, nw, 1e-5, r)
+    with launch(*conf):
+        got = decode_linear(*args)
+    ref = decode_linear_ref(*args)
+    assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(linear_case(), st.integers(1, 40))
+def test_gate_up_matches_reference(case, inter):
+    _require_kernel()
+    B, T, K, conf, dtype, bias, norm, seed = case
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, nw = _inputs(B, T, K, 2 * inter, dtype, bias, norm, g)
+    args = _dev(x, w, b, nw, 1e-6)
+    with launch(*conf):
+        got = decode_gate_up(*args)
+    ref = decode_gate_up_ref(*args)
+    assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(linear_case(), st.sampled_from([4, 8, 16, 32]), st.integers(1, 4), st.integers(1, 2), st.integers(1, 3))
+def test_qkv_rope_matches_reference(case, D, groups, kv, extra):
+    """q heads and k heads roped, v heads not; `extra` trailing unroped heads stand for v."""
+    _require_kernel()
+    B, T, K, conf, dtype, bias, norm, seed = case
+    g = torch.Generator().manual_seed(seed)
+    rope_heads = kv * groups + kv
+    x, w, b, nw = _inputs(B, T, K, (rope_heads + extra) * D, dtype, bias, norm, g)
+    cos, sin = _rope_tables(B, T, D, dtype, g)
+    args = _dev(x, w, b, nw, 1e-6, cos, sin, rope_heads, D)
+    with launch(*conf):
+        got = decode_qkv_rope(*args)
+    ref = decode_qkv_rope_ref(*args)
+    assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+
+
+def test_broken_epilogues_are_caught():
+    """The comparisons can fail: each reference with one part of its math changed differs from the kernel."""
+    _require_kernel()
+    g = torch.Generator().manual_seed(3)
+    B, T, K, D, dtype = 2, 5, 64, 16, torch.float32
+    x, w, b, nw = _dev(*_inputs(B, T, K, 5 * D, dtype, True, True, g))
+    cos, sin = _dev(*_rope_tables(B, T, D, dtype, g))
+    got = decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, 4, D)
+    assert _close(got, decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, 4, D), dtype)
+    assert not _close(got, decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, 5, D), dtype)  # v roped too
+    assert not _close(got, decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, 3, D), dtype)  # a k head not roped
+    assert not _close(got, decode_qkv_rope_ref(x, w, b, nw, 1e-6, sin, cos, 4, D), dtype)  # cos/sin swapped
+    assert not _close(got, decode_qkv_rope_ref(x, w, b, None, 1e-6, cos, sin, 4, D), dtype)  # norm left out
+
+    w2 = torch.randn(w.shape, generator=g).to(DEV) / K**0.5
+    gu = decode_gate_up(x, torch.cat((w, w2)), None, nw, 1e-6)
+    assert _close(gu, decode_gate_up_ref(x, torch.cat((w, w2)), None, nw, 1e-6), dtype)
+    assert not _close(gu, decode_gate_up_ref(x, torch.cat((w2, w)), None, nw, 1e-6), dtype)  # silu on up, not gate
+
+    r = torch.randn(B, T, 5 * D, generator=g).to(DEV)
+    y = decode_linear(x, w, b, nw, 1e-6, r)
+    assert _close(y, decode_linear_ref(x, w, b, nw, 1e-6, r), dtype)
+    assert not _close(y, decode_linear_ref(x, w, b, nw, 1e-6, None), dtype)  # residual dropped
+    assert not _close(y, decode_linear_ref(x, w, b, nw, 1.0, r), dtype)  # eps ignored or wrong
+
+
+def test_bf16_rounds_like_the_modules():
+    """bf16: the fused norm rounds where RMSNorm does (x * rstd, then weight * h), so the kernel stays
+    within one output rounding of the module math, which a kernel normalising in fp32 throughout is not."""
+    _require_kernel()
+    g = torch.Generator().manual_seed(5)
+    x, w, b, nw = _dev(*_inputs(3, 2, 128, 48, torch.bfloat16, False, True, g))
+    got = decode_linear(x, w, None, nw, 1e-6)
+    ref = decode_linear_ref(x, w, None, nw, 1e-6)
+    assert _close(got, ref, torch.bfloat16)
+    rnd = (got.float() - ref.float()).abs().max().item()
+    assert rnd <= 2 ** -6 * ref.float().abs().max().item(), rnd
+
+
+def test_rows_above_the_limit_are_refused():
+    _require_kernel()
+    x = torch.zeros(_dl.MAX_ROWS + 1, 16, device=DEV)
+    with pytest.raises(ValueError, match="at most"):
+        decode_linear(x, torch.zeros(16, 16, device=DEV))
+
+
+def test_rope_ref_is_llama_apply_rope():
+    from spec_graph.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 16, generator=g)
+    cos, sin = _rope_tables(2, 3, 16, torch.float32, g)
+    assert torch.equal(rope_ref(x, cos[:, :, None], sin[:, :, None]), apply_rope(x, cos[:, :, None], sin[:, :, None]))
+
+
+def test_ops_registered_and_functional():
+    for name in ("decode_linear", "decode_gate_up", "decode_qkv_rope"):
+        schema = str(getattr(torch.ops.spec_graph, name).default._schema)
+        assert "!" not in schema, schema
+    m = dict(device="meta")
+    out = decode_qkv_rope(torch.empty(2, 5, 32, **m), torch.empty(96, 32, **m), None, torch.empty(32, **m), 1e-6,
+                          torch.empty(2, 5, 16, **m), torch.empty(2, 5, 16, **m), 4, 16)
+    assert out.shape == (2, 5, 96) and out.device.type == "meta"
+
+
+# ------------------------------------------------------------ the fused decoder layer
+def _layer_model(dtype, arch="LlamaForCausalLM", bias=False):
+    from spec_graph.models.config import ModelArgs
+    from spec_graph.models.llama import Transformer
+
+    args = ModelArgs(architecture=arch, vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, intermediate_size=96, qkv_bias=bias)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        for layer in model.model.layers:  # RMSNorm weights away from 1, so a dropped norm weight shows
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return model.to(dtype).to(DEV)
+
+
+def _forward(model, fused: bool, monkeypatch, tokens, positions, cache):
+    from spec_graph.models import llama
+
+    monkeypatch.setattr(llama, "FUSED_LAYERS", fused)
+    kc, vc = (c.clone() for c in cache)
+    with torch.no_grad():
+        return model(tokens, positions, kc, vc), kc, vc
+
+
+@pytest.mark.parametrize("dtype,bias,T", [(torch.float32, False, 5), (torch.float32, True, 3),
+                                          (torch.bfloat16, False, 5), (torch.bfloat16, True, 1)])
+def test_fused_layers_equal_module_path(dtype, bias, T, monkeypatch):
+    """A verify (T=5: 10 rows, tensor-core sums) or draft forward (T=1, 3: CUDA-core sums) of two rows at
+    different lengths: logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
+    broken (residual dropped) they do not."""
+    _require_kernel()
+    model = _layer_model(dtype, bias=bias)
+    B, Lc = 2, 48
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (B, T), generator=g).to(DEV)
+    positions = (torch.tensor([[7], [30]]) + torch.arange(T)).to(DEV)
+    cache = [(torch.randn(2, B, 2, Lc, 16, generator=g) * 0.5).to(dtype).to(DEV) for _ in range(2)]
+    want, wk, wv = _forward(model, False, monkeypatch, tokens, positions, cache)
+    got, gk, gv = _forward(model, True, monkeypatch, tokens, positions, cache)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    assert torch.allclose(got, want, **tol), (got - want).abs().max()
+    assert torch.allclose(gk.float(), wk.float(), **tol) and torch.allclose(gv.float(), wv.float(), **tol)
+    if dtype == torch.float32:
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    real = _dl.decode_linear_ref
+    monkeypatch.setattr(_dl, "decode_linear_ref", lambda x, w, b=None, nw=None, eps=0.0, r=None: real(x, w, b, nw, eps))
+    monkeypatch.setattr(_dl, "use_kernel", lambda *a: False)  # the (broken) reference stands in for the kernel
+    bad, _, _ = _forward(model, True, monkeypatch, tokens, positions, cache)
+    assert not torch.allclose(bad, want, **tol)
+
+
+def _launch_log(monkeypatch) -> list:
+    """The epilogue mode of every fused kernel launch from now on, in order."""
+    calls = []
+    real = _dl._launch
+    monkeypatch.setattr(_dl, "_launch", lambda *a: calls.append(a[0]) or real(*a))
+    return calls
+
+
+def test_prefill_rows_take_the_module_path(monkeypatch):
+    """More rows than the kernels take (a prefill) run nn.Linear: no fused op is called."""
+    _require_kernel()
+    calls = _launch_log(monkeypatch)
+    model = _layer_model(torch.float32)
+    B, T = 1, 2 * _dl.MAX_ROWS + 1
+    cache = [torch.zeros(2, 1, 2, 80, 16, device=DEV) for _ in range(2)]
+    tokens = torch.zeros(B, T, dtype=torch.long, device=DEV)
+    positions = torch.arange(T, device=DEV)[None]
+    _forward(model, True, monkeypatch, tokens, positions, cache)
+    assert calls == []
+    _forward(model, True, monkeypatch, tokens[:, :4], positions[:, :4], cache)
+    assert sorted(set(calls)) == [_dl.PLAIN, _dl.SILU_MUL, _dl.ROPE]
+
+
+def test_per_model_switch(monkeypatch):
+    """Transformer.fused_layers turns the fused kernels on or off for one model, over FUSED_LAYERS."""
+    _require_kernel()
+    from spec_graph.models import llama
+
+    calls = _launch_log(monkeypatch)
+    model = _layer_model(torch.float32)
+    cache = [torch.zeros(2, 1, 2, 40, 16, device=DEV) for _ in range(2)]
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=DEV)
+    positions = torch.arange(2, device=DEV)[None]
+    for flag, default, used in ((None, True, True), (False, True, False), (True, False, True), (None, False, False)):
+        calls.clear()
+        model.fused_layers = flag
+        monkeypatch.setattr(llama, "FUSED_LAYERS", default)
+        with torch.no_grad():
+            model(tokens, positions, *(c.clone() for c in cache))
+        assert bool(calls) == used, (flag, default)
