@@ -14,6 +14,7 @@ if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().na
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import contextlib  # noqa: E402
+from pathlib import Path  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -316,3 +317,68 @@ def test_per_model_switch(monkeypatch):
         with torch.no_grad():
             model(tokens, positions, *(c.clone() for c in cache))
         assert bool(calls) == used, (flag, default)
+
+
+
+_EXPORT_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+import test_decode_linear as t
+from spec_graph.kernels import attention, decode_linear as dl
+from spec_graph.models import llama
+
+T, naive = int(sys.argv[1]), sys.argv[2] == "naive"
+for mod in (dl, attention):
+    mod.use_kernel = lambda kernel, x: True  # the kernels' path, as on a GPU (traced, never run)
+llama.platform.use_triton = lambda device: True
+if naive:  # asks the symbolic row count: a guard
+    llama.fused_rows_ok = lambda x: x.numel() // x.shape[-1] <= dl.MAX_ROWS
+model = t._layer_model(torch.float32)
+
+class Forward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, positions, kc, vc):
+        return self.model(tokens, positions, kc, vc)
+
+kc, vc = (torch.zeros(2, 4, 2, 32, 16) for _ in range(2))
+args = (torch.zeros(4, T, dtype=torch.long), torch.arange(T).expand(4, T).contiguous() + 8, kc, vc)
+batch = torch.export.Dim("B", min=1, max=4)
+try:
+    with torch.no_grad():
+        ep = torch.export.export(Forward(), args, dynamic_shapes=({0: batch}, {0: batch}, None, None), strict=False)
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__}))
+else:
+    ops = sorted({str(n.target).split(".")[1] for n in ep.graph.nodes if str(n.target).startswith("spec_graph.")})
+    print(json.dumps({"ops": ops, "ranges": [[int(r.lower), int(r.upper)] for r in ep.range_constraints.values()]}))
+"""
+
+
+def _export_in_fresh_process(T: int, variant: str) -> dict:
+    import json
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="0")  # compiled-kernel objects, so export traces them
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, str(T), variant], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("T,fused_ops", [(3, True), (5, False)])
+def test_export_keeps_a_symbolic_batch(T, fused_ops):
+    """torch.export of a decode forward with the batch symbolic over 1..4 (as the exported step has it), traced
+    as on a GPU: 4 x 3 rows fit the fused kernels, so their ops are in the program; 4 x 5 do not, so the layers
+    take nn.Linear. Either way the batch stays symbolic. A rows test that asks the symbolic row count where the
+    range cannot answer (a guard) specialises the batch and fails the export."""
+    got = _export_in_fresh_process(T, "as is")
+    assert got["ops"] == (["decode_attention", "decode_gate_up", "decode_linear", "decode_qkv_rope"] if fused_ops
+                          else ["decode_attention"]), got
+    assert got["ranges"] == [[1, 4]], got
+    if not fused_ops:  # 4 x 5 rows may or may not fit: only a guard on the batch could say
+        assert "error" in _export_in_fresh_process(T, "naive")

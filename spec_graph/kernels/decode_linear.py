@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
 from .rng import block_for, use_kernel, wrap_triton
@@ -245,8 +246,12 @@ def launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int
 
 
 def fused_rows_ok(x: torch.Tensor) -> bool:
-    """Whether x's rows fit the fused kernels' one row block."""
-    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+    """Whether x's rows fit the fused kernels' one row block. With a symbolic row count (an export's dynamic
+    batch) only where its range proves it: asking would specialise the batch."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if isinstance(rows, int):
+        return rows <= MAX_ROWS
+    return statically_known_true(rows <= MAX_ROWS)
 
 
 def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog):
@@ -255,7 +260,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M > MAX_ROWS:
+    if not fused_rows_ok(x2):
         raise ValueError(f"the fused decode kernels take at most {MAX_ROWS} rows (got {M}); use F.linear")
     w = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
@@ -264,14 +269,15 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         r2 = r2.contiguous()
     c2 = cos.reshape(M, -1).contiguous() if cos is not None else out
     s2 = sin.reshape(M, -1).contiguous() if sin is not None else out
-    dot, block_n, block_k, warps, stages = launch_config(M, n_prog, K, mode != PLAIN)
+    rows = M if isinstance(M, int) else MAX_ROWS  # a symbolic M (<= MAX_ROWS) gets the tile of the most rows
+    dot, block_n, block_k, warps, stages = launch_config(rows, n_prog, K, mode != PLAIN)
     grid = (triton.cdiv(n_prog, block_n),)
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
         MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
         DOT=dot, IEEE=x.dtype == torch.float32, UPCAST=x.device.type == "cpu",
-        BLOCK_M=max(16, block_for(M)) if dot else block_for(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages)
     return out.view(*x.shape[:-1], n_out)
 
