@@ -382,3 +382,62 @@ def test_export_keeps_a_symbolic_batch(T, fused_ops):
     assert got["ranges"] == [[1, 4]], got
     if not fused_ops:  # 4 x 5 rows may or may not fit: only a guard on the batch could say
         assert "error" in _export_in_fresh_process(T, "naive")
+
+
+def test_strided_bias_and_norm_weight(monkeypatch):
+    """The ops take any strides: a bias and a norm weight that are every other element of a larger tensor."""
+    _require_kernel()
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, device=DEV)
+    w = torch.randn(48, 64, device=DEV) * 0.1
+    b = torch.randn(96, device=DEV)[::2]
+    nw = torch.rand(128, device=DEV)[::2] + 0.5
+    for fn, ref in ((decode_linear, decode_linear_ref), (decode_gate_up, decode_gate_up_ref)):
+        torch.testing.assert_close(fn(x, w, b, nw, 1e-6), ref(x, w, b, nw, 1e-6), **TOL[torch.float32])
+
+
+_SMEM_SCRIPT = r"""
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from spec_graph.kernels import decode_linear as dl
+
+itemsize = int(sys.argv[1])
+fn = dl._decode_linear_kernel
+out = {}
+for mode, cols, K in ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLAIN, 4096, 14336)):
+    dot, bn, bk, warps, stages = dl.launch_config(4, cols, K, mode != dl.PLAIN, itemsize)
+    const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
+                 HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
+                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
+    sig = {n: ("constexpr" if n in const else "*fp32" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    out[mode] = k.metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_fp32_launches_fit_an_sm90s_shared_memory():
+    """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration needs at
+    most the 227 KiB of shared memory an H100/H200 program gets. The 2-byte configurations used for fp32 (the
+    control) need more, so an fp32 model would fail at its first decode step."""
+    import json
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # compiled-kernel objects to compile
+    root = Path(__file__).resolve().parents[1]
+    shared = {}
+    for itemsize in (4, 2):
+        r = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT, str(itemsize)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode and "ptxas" in r.stderr.lower():
+            pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
+        assert r.returncode == 0, r.stderr[-3000:]
+        shared[itemsize] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert max(shared[4].values()) <= 232448, shared
+    assert max(shared[2].values()) > 232448, shared

@@ -30,6 +30,7 @@ from .rng import block_for, use_kernel, wrap_triton
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 0  # up to this many rows the sums run on CUDA cores (measured slower on an H200: off)
 PLAIN, SILU_MUL, ROPE = 0, 1, 2  # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
+FP32_BLOCK_K = 64  # fp32's K tile: at most about 50 KB of shared memory per program on sm90 (2 stages)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for benchmarks and tests; empty: `launch_config`.
 LAUNCH: dict = {}
 
@@ -202,18 +203,20 @@ def _decode_linear_kernel(
     else:
         acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
+    wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
-        wa = tl.load(w_ptr + ra[:, None] * swn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wa = tl.load(wa_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT:
             acc_a += _dot_t(xk, wa, IEEE, UPCAST)
         else:
             xf = xk.to(tl.float32)[:, None, :]
             acc3_a += xf * wa.to(tl.float32)[None, :, :]
         if MODE != 0:  # paired: a second row block
-            wb = tl.load(w_ptr + rb[:, None] * swn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wb = tl.load(wb_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if DOT:
                 acc_b += _dot_t(xk, wb, IEEE, UPCAST)
             else:
@@ -226,10 +229,19 @@ def _decode_linear_kernel(
 
 
 # ------------------------------------------------------------------ launch
-def launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
+def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2) -> tuple[bool, int, int, int, int]:
     """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) from static shapes: the best of a sweep on an H200
-    (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows. Up to CUDA_CORE_ROWS rows the sums
-    run on CUDA cores (0: never; slower there), above on tensor cores."""
+    (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows, for 2-byte dtypes. Up to
+    CUDA_CORE_ROWS rows the sums run on CUDA cores (0: never; slower there), above on tensor cores. fp32
+    (itemsize 4) takes smaller K tiles and 2 stages: its exact (no TF32) sums with the 2-byte tiles need up to
+    260 KB of shared memory for sm90, more than any GPU has."""
+    dot, block_n, block_k, warps, stages = _launch_config(rows, cols, k, paired)
+    if itemsize >= 4:
+        block_k, stages = min(block_k, FP32_BLOCK_K), min(stages, 2)
+    return dot, block_n, block_k, warps, stages
+
+
+def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
     if LAUNCH:
         return (LAUNCH.get("DOT", rows > CUDA_CORE_ROWS), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
@@ -247,7 +259,8 @@ def launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int
 
 def fused_rows_ok(x: torch.Tensor) -> bool:
     """Whether x's rows fit the fused kernels' one row block. With a symbolic row count (an export's dynamic
-    batch) only where its range proves it: asking would specialise the batch."""
+    batch) only where its range proves it: asking would specialise the batch. (Under torch.compile the count
+    reads as an int, and the answer is a guard: batches on either side of MAX_ROWS get a compile each.)"""
     rows = x.numel() // max(x.shape[-1], 1)
     if isinstance(rows, int):
         return rows <= MAX_ROWS
@@ -263,6 +276,8 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     if not fused_rows_ok(x2):
         raise ValueError(f"the fused decode kernels take at most {MAX_ROWS} rows (got {M}); use F.linear")
     w = w if w.stride(-1) == 1 else w.contiguous()
+    b = b.contiguous() if b is not None else None  # the kernel reads them with unit stride
+    norm_w = norm_w.contiguous() if norm_w is not None else None
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     r2 = residual.reshape(M, -1) if residual is not None else out
     if residual is not None and r2.stride(-1) != 1:
@@ -270,7 +285,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     c2 = cos.reshape(M, -1).contiguous() if cos is not None else out
     s2 = sin.reshape(M, -1).contiguous() if sin is not None else out
     rows = M if isinstance(M, int) else MAX_ROWS  # a symbolic M (<= MAX_ROWS) gets the tile of the most rows
-    dot, block_n, block_k, warps, stages = launch_config(rows, n_prog, K, mode != PLAIN)
+    dot, block_n, block_k, warps, stages = launch_config(rows, n_prog, K, mode != PLAIN, x.element_size())
     grid = (triton.cdiv(n_prog, block_n),)
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
