@@ -441,3 +441,42 @@ def test_fp32_launches_fit_an_sm90s_shared_memory():
         shared[itemsize] = json.loads(r.stdout.strip().splitlines()[-1])
     assert max(shared[4].values()) <= 232448, shared
     assert max(shared[2].values()) > 232448, shared
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_compile_with_a_symbolic_batch_adds_no_guard(naive, monkeypatch):
+    """torch.compile as the engine runs it for every bucket above 1 (the batch marked dynamic): batches of 2 to
+    32 share one graph, in which the layers keep nn.Linear (the range of the batch cannot prove 16 rows or
+    fewer); a batch of 1, specialised, gets the fused ops. The control asks the symbolic row count, which puts a
+    guard on the batch: the buckets above 1 then take two graphs."""
+    from spec_graph.models import llama
+
+    model = _layer_model(torch.float32).cpu()
+    monkeypatch.setattr(llama.platform, "use_triton", lambda device: True)  # the path choice as on a GPU
+    if naive:
+        monkeypatch.setattr(llama, "fused_rows_ok", lambda x: x.numel() // x.shape[-1] <= _dl.MAX_ROWS)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target).split(".")[1] for n in gm.graph.nodes if "spec_graph" in str(n.target)})
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: model(*a), backend=backend, fullgraph=True, dynamic=False)
+    T = 3
+    for B in (2, 4, 8, 32, 1):
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.arange(T).expand(B, T).contiguous() + 5
+        kc, vc = (torch.zeros(2, 32, 2, 32, 16) for _ in range(2))
+        if B > 1:
+            for t in (tokens, positions):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch.no_grad():
+            f(tokens, positions, kc, vc)
+    torch._dynamo.reset()
+    if naive:  # 2 and 4 (3 x 4 rows fit) in one graph, 8 and 32 in another, then 1
+        assert len(graphs) == 3, graphs
+        return
+    assert len(graphs) == 2, graphs
+    assert graphs[0] == {"decode_attention"}
+    assert graphs[1] >= {"decode_attention", "decode_qkv_rope", "decode_linear", "decode_gate_up"}

@@ -258,13 +258,10 @@ def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, in
 
 
 def fused_rows_ok(x: torch.Tensor) -> bool:
-    """Whether x's rows fit the fused kernels' one row block. With a symbolic row count (an export's dynamic
-    batch) only where its range proves it: asking would specialise the batch. (Under torch.compile the count
-    reads as an int, and the answer is a guard: batches on either side of MAX_ROWS get a compile each.)"""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if isinstance(rows, int):
-        return rows <= MAX_ROWS
-    return statically_known_true(rows <= MAX_ROWS)
+    """Whether x's rows fit the fused kernels' one row block. With a symbolic row count (torch.compile's shared
+    graph for every batch bucket above 1, an export's dynamic batch) only where its range proves it: asking
+    would put a guard on the batch, and buckets on either side of MAX_ROWS would each need a compile."""
+    return bool(statically_known_true(x.numel() // max(x.shape[-1], 1) <= MAX_ROWS))
 
 
 def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog):
