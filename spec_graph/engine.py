@@ -160,12 +160,16 @@ class SpecDecoder(DecoderBase):
                                                        "passes": dict(self.config.passes),
                                                        "on_passes": reports.append})
 
+                rows = max(self.config.max_batch_size, *self.config.batch_buckets)
+
                 def fn(st, out_buf, acc_log, *rest):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
                     # dimension is symbolic there, and each bucket's graph is still captured at its own size.
-                    if st["tail"].shape[0] > 1:
+                    # Its range stops at the engine's rows, so that what holds for every batch up to them
+                    # (the fused decode layers' row limit, say) is known without a guard.
+                    if st["tail"].shape[0] > 1 and rows > 2:  # (rows 2: one size above 1, static)
                         for t in (*(v for k, v in st.items() if k != "k_counts"), out_buf, acc_log):
-                            torch._dynamo.maybe_mark_dynamic(t, 0)
+                            torch._dynamo.mark_dynamic(t, 0, min=2, max=rows)
                     # One function compiled per (mode, K, batch 1 or symbolic): past dynamo's default limit
                     # on recompiles of one function with "auto", so the limit is raised for these calls only.
                     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):

@@ -443,18 +443,9 @@ def test_fp32_launches_fit_an_sm90s_shared_memory():
     assert max(shared[2].values()) > 232448, shared
 
 
-@pytest.mark.parametrize("naive", [False, True])
-def test_compile_with_a_symbolic_batch_adds_no_guard(naive, monkeypatch):
-    """torch.compile as the engine runs it for every bucket above 1 (the batch marked dynamic): batches of 2 to
-    32 share one graph, in which the layers keep nn.Linear (the range of the batch cannot prove 16 rows or
-    fewer); a batch of 1, specialised, gets the fused ops. The control asks the symbolic row count, which puts a
-    guard on the batch: the buckets above 1 then take two graphs."""
-    from spec_graph.models import llama
-
-    model = _layer_model(torch.float32).cpu()
-    monkeypatch.setattr(llama.platform, "use_triton", lambda device: True)  # the path choice as on a GPU
-    if naive:
-        monkeypatch.setattr(llama, "fused_rows_ok", lambda x: x.numel() // x.shape[-1] <= _dl.MAX_ROWS)
+def _compiled_graphs(model, T: int, batches, bound=None) -> list:
+    """The spec_graph ops of each graph torch.compile makes for a forward run at these batch sizes, every size
+    above 1 marked dynamic as the engine marks it (up to `bound`; None: without a bound)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -463,20 +454,52 @@ def test_compile_with_a_symbolic_batch_adds_no_guard(naive, monkeypatch):
 
     torch._dynamo.reset()
     f = torch.compile(lambda *a: model(*a), backend=backend, fullgraph=True, dynamic=False)
-    T = 3
-    for B in (2, 4, 8, 32, 1):
+    for B in batches:
         tokens = torch.zeros(B, T, dtype=torch.long)
         positions = torch.arange(T).expand(B, T).contiguous() + 5
         kc, vc = (torch.zeros(2, 32, 2, 32, 16) for _ in range(2))
         if B > 1:
             for t in (tokens, positions):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+                if bound is None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                else:
+                    torch._dynamo.mark_dynamic(t, 0, min=2, max=bound)
         with torch.no_grad():
             f(tokens, positions, kc, vc)
     torch._dynamo.reset()
+    return graphs
+
+
+FUSED_OPS = {"decode_attention", "decode_qkv_rope", "decode_linear", "decode_gate_up"}
+
+
+@pytest.mark.parametrize("T,bound,fused", [(2, 8, True), (3, 8, False)])
+def test_compile_with_a_bounded_batch_decides_by_its_range(T, bound, fused, monkeypatch):
+    """The engine bounds its symbolic batch by its rows: batches 2..8 share one graph, which has the fused ops
+    where 8 x T rows fit (T=2) and nn.Linear where they do not (T=3), without a guard either way."""
+    from spec_graph.models import llama
+
+    monkeypatch.setattr(llama.platform, "use_triton", lambda device: True)  # the path choice as on a GPU
+    graphs = _compiled_graphs(_layer_model(torch.float32).cpu(), T, (2, 4, 8), bound)
+    assert len(graphs) == 1, graphs
+    assert (graphs[0] >= FUSED_OPS) == fused and "decode_attention" in graphs[0], graphs
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_compile_with_a_symbolic_batch_adds_no_guard(naive, monkeypatch):
+    """torch.compile with the batch marked dynamic without a bound: batches of 2 to 32 share one graph, in which
+    the layers keep nn.Linear (the range of the batch cannot prove 16 rows or fewer); a batch of 1, specialised,
+    gets the fused ops. The control asks the symbolic row count, which puts a guard on the batch: the sizes
+    above 1 then take two graphs."""
+    from spec_graph.models import llama
+
+    monkeypatch.setattr(llama.platform, "use_triton", lambda device: True)  # the path choice as on a GPU
+    if naive:
+        monkeypatch.setattr(llama, "fused_rows_ok", lambda x: x.numel() // x.shape[-1] <= _dl.MAX_ROWS)
+    graphs = _compiled_graphs(_layer_model(torch.float32).cpu(), 3, (2, 4, 8, 32, 1))
     if naive:  # 2 and 4 (3 x 4 rows fit) in one graph, 8 and 32 in another, then 1
         assert len(graphs) == 3, graphs
         return
     assert len(graphs) == 2, graphs
     assert graphs[0] == {"decode_attention"}
-    assert graphs[1] >= {"decode_attention", "decode_qkv_rope", "decode_linear", "decode_gate_up"}
+    assert graphs[1] >= FUSED_OPS
