@@ -22,7 +22,9 @@ largest K of the set); at temperature 1.0, "token" vs "block" verification at ea
 there compiles every K again per verification: left out by default). Each engine first runs a 4-token
 generate per mode (its compile and capture, timed apart). Each workload then runs once untimed and once timed
 per seed 0..--repeats-1; tokens/s = generated tokens / wall time of a timed
-generate call (prefills included; the median call), tokens/step and the K histogram pooled over them.
+generate call (prefills included; the median call, with the spread (max - min) / median beside it), tokens/step
+and the K histogram pooled over them. Runs on one engine (auto, its chooser variants, the pinned K) take turns
+seed by seed, so that a drift of the machine falls on all of them alike.
 
 Targets checked at the end: auto within 3% of the best fixed K on (i) and (ii); auto >= 1.10x K=4 on
 (iii); block tokens/step >= token tokens/step on every workload.
@@ -132,27 +134,29 @@ def chooser_variants(spec: str) -> list[tuple[float, float]]:
     return out
 
 
-def measure(dec: SpecDecoder, prompts, temperature: float, a) -> dict:
-    """Over --repeats timed calls, seeds 0..repeats-1, each seed run once untimed first (its prefill graphs:
-    a seed may admit requests in other group sizes)."""
-    seeds = range(SEED, SEED + a.repeats)
-    gen = lambda s: dec.generate(prompts, a.max_new_tokens, temperature=temperature, seed=s)  # noqa: E731
-    for s in seeds:
-        gen(s)
-    rates, stats, replay_ms = [], [], []
-    for s in seeds:
-        t0 = time.perf_counter()
-        stats.append(gen(s).stats)
-        wall = time.perf_counter() - t0
-        rates.append(stats[-1].generated_tokens / wall)
-        replay_ms.append(1e3 * wall / max(stats[-1].steps / a.steps_per_graph, 1))
+def timed_call(dec: SpecDecoder, prompts, temperature: float, seed: int, a) -> tuple:
+    """One generate call with this seed, run once untimed first (its prefill graphs: a seed may admit requests
+    in other group sizes), then timed: (tokens/s, stats, ms per replay)."""
+    gen = lambda: dec.generate(prompts, a.max_new_tokens, temperature=temperature, seed=seed)  # noqa: E731
+    gen()
+    t0 = time.perf_counter()
+    stats = gen().stats
+    wall = time.perf_counter() - t0
+    return stats.generated_tokens / wall, stats, 1e3 * wall / max(stats.steps / a.steps_per_graph, 1)
+
+
+def summary(calls: list) -> dict:
+    """The timed calls of one cell: tokens/s of the median call (a stray host stall stays out) and its spread
+    ((max - min) / median over the calls); the counts pooled."""
+    rates, stats, replay_ms = (list(x) for x in zip(*calls))
     n = sum(s.generated_tokens for s in stats)
     ks = [k for s in stats for k in (getattr(s, "k_per_step", None) or [])]
-    # tokens/s: the median call (a stray host stall stays out); the counts: pooled
-    return dict(tps=statistics.median(rates), tps_step=n / sum(s.request_steps for s in stats),
+    mid = statistics.median(rates)
+    return dict(tps=mid, spread=(max(rates) - min(rates)) / mid, tps_step=n / sum(s.request_steps for s in stats),
                 ms_replay=statistics.median(replay_ms),
                 acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
                 kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
+
 
 
 def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> None:
@@ -170,13 +174,19 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
             runs += [(f"auto d={d}" + (f"+{h}ms" if h else ""), dict(decay=d, host_ms=h))
                      for d, h in chooser_variants(a.chooser_variants)]
             runs += [(pin, dict(pin=pin)) for pin in (a.k_set if a.pin_in_auto and not a.skip_fixed else [])]
-        for kk, how in runs:
-            with chooser_as(**how) if how else contextlib.nullcontext():
-                for w in WORKLOADS:
-                    res[(B, mode, kk, verification, w)] = r = measure(dec, prompts[w], temp, a)
-                    progress(f"  B={B} K={kk} {verification} {mode} {w}: {r['tps']:.0f} tok/s, "
-                             f"{r['tps_step']:.2f} tok/step, {r['ms_replay']:.3f} ms/replay"
-                             + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
+        # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that
+        # a drift of the machine over the minutes they take falls on all of them alike.
+        calls: dict = collections.defaultdict(list)
+        for seed in range(SEED, SEED + a.repeats):
+            for kk, how in runs:
+                with chooser_as(**how) if how else contextlib.nullcontext():
+                    for w in WORKLOADS:
+                        calls[(kk, w)].append(timed_call(dec, prompts[w], temp, seed, a))
+        for (kk, w), cell in calls.items():
+            res[(B, mode, kk, verification, w)] = r = summary(cell)
+            progress(f"  B={B} K={kk} {verification} {mode} {w}: {r['tps']:.0f} tok/s (spread {r['spread']:.1%}), "
+                     f"{r['tps_step']:.2f} tok/step, {r['ms_replay']:.3f} ms/replay"
+                     + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
     line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
@@ -203,12 +213,13 @@ def fmt3(res, B, mode, k, v, field, spec):
 
 
 def tables(res, a) -> list[str]:
-    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/step | acceptance | mean K | ms/replay |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/s spread | tok/step | acceptance | mean K "
+         "| ms/replay |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
-                 f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'spread', '.1%')} | {fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
                  f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if str(k).startswith(AUTO) else k} | "
                  f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
     L.append("")
@@ -263,7 +274,8 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
          f"- embedded default pair, max_len {MAX_LEN}, {a.max_new_tokens} new tokens, steps_per_graph "
          f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
          f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {a.repeats} timed generate "
-         f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; one bucket "
+         f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; spread: (max - "
+         f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
          + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")
          + f"whole run {elapsed / 60:.1f} min", ""]
