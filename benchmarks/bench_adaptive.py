@@ -158,7 +158,6 @@ def summary(calls: list) -> dict:
                 kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
 
 
-
 def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> None:
     k, verification = key
     t0 = time.time()
@@ -176,17 +175,18 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
             runs += [(pin, dict(pin=pin)) for pin in (a.k_set if a.pin_in_auto and not a.skip_fixed else [])]
         # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that
         # a drift of the machine over the minutes they take falls on all of them alike.
+        # Each round's cells go into res at once: a run that fails later leaves the rounds before it.
         calls: dict = collections.defaultdict(list)
         for seed in range(SEED, SEED + a.repeats):
             for kk, how in runs:
                 with chooser_as(**how) if how else contextlib.nullcontext():
                     for w in WORKLOADS:
                         calls[(kk, w)].append(timed_call(dec, prompts[w], temp, seed, a))
-        for (kk, w), cell in calls.items():
-            res[(B, mode, kk, verification, w)] = r = summary(cell)
-            progress(f"  B={B} K={kk} {verification} {mode} {w}: {r['tps']:.0f} tok/s (spread {r['spread']:.1%}), "
-                     f"{r['tps_step']:.2f} tok/step, {r['ms_replay']:.3f} ms/replay"
-                     + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
+                        res[(B, mode, kk, verification, w)] = r = summary(calls[(kk, w)])
+                        progress(f"  B={B} K={kk} {verification} {mode} {w}, seed {seed}: {r['tps']:.0f} tok/s "
+                                 f"(spread {r['spread']:.1%}), {r['tps_step']:.2f} tok/step, "
+                                 f"{r['ms_replay']:.3f} ms/replay"
+                                 + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
     line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
@@ -219,7 +219,8 @@ def tables(res, a) -> list[str]:
     rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
-                 f"{fmt3(res, B, mode, k, v, 'spread', '.1%')} | {fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | {fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'spread', '.1%')} | {fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
                  f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if str(k).startswith(AUTO) else k} | "
                  f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
     L.append("")

@@ -139,7 +139,12 @@ class SpecDecoder(DecoderBase):
             draft, target, compiled = self.draft, self.target, self.compiled
             verification = self.config.verification
 
+            rows = self.rows
+
             def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
+                # No batch exceeds the engine's rows: said inside the graph, so that what holds for every batch up
+                # to them (the fused decode layers' row limit, say) is known from the symbolic batch's range
+                torch._check(st["tail"].shape[0] <= rows)
                 new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
                                        greedy, fused=not compiled, verification=verification)
                 if "k_counts" in st:  # "auto": inside the compiled step, where it fuses into a kernel or two
@@ -160,16 +165,12 @@ class SpecDecoder(DecoderBase):
                                                        "passes": dict(self.config.passes),
                                                        "on_passes": reports.append})
 
-                rows = max(self.config.max_batch_size, *self.config.batch_buckets)
-
                 def fn(st, out_buf, acc_log, *rest):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
                     # dimension is symbolic there, and each bucket's graph is still captured at its own size.
-                    # Its range stops at the engine's rows, so that what holds for every batch up to them
-                    # (the fused decode layers' row limit, say) is known without a guard.
-                    if st["tail"].shape[0] > 1 and rows > 2:  # (rows 2: one size above 1, static)
+                    if st["tail"].shape[0] > 1:
                         for t in (*(v for k, v in st.items() if k != "k_counts"), out_buf, acc_log):
-                            torch._dynamo.mark_dynamic(t, 0, min=2, max=rows)
+                            torch._dynamo.maybe_mark_dynamic(t, 0)
                     # One function compiled per (mode, K, batch 1 or symbolic): past dynamo's default limit
                     # on recompiles of one function with "auto", so the limit is raised for these calls only.
                     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):

@@ -445,25 +445,28 @@ def test_fp32_launches_fit_an_sm90s_shared_memory():
 
 def _compiled_graphs(model, T: int, batches, bound=None) -> list:
     """The spec_graph ops of each graph torch.compile makes for a forward run at these batch sizes, every size
-    above 1 marked dynamic as the engine marks it (up to `bound`; None: without a bound)."""
+    above 1 marked dynamic as the engine marks it, the batch said to be at most `bound` inside (None: nothing
+    said)."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append({str(n.target).split(".")[1] for n in gm.graph.nodes if "spec_graph" in str(n.target)})
         return gm.forward
 
+    def forward(tokens, *rest):
+        if bound is not None:  # as the engine's step says it
+            torch._check(tokens.shape[0] <= bound)
+        return model(tokens, *rest)
+
     torch._dynamo.reset()
-    f = torch.compile(lambda *a: model(*a), backend=backend, fullgraph=True, dynamic=False)
+    f = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
     for B in batches:
         tokens = torch.zeros(B, T, dtype=torch.long)
         positions = torch.arange(T).expand(B, T).contiguous() + 5
         kc, vc = (torch.zeros(2, 32, 2, 32, 16) for _ in range(2))
         if B > 1:
             for t in (tokens, positions):
-                if bound is None:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-                else:
-                    torch._dynamo.mark_dynamic(t, 0, min=2, max=bound)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch.no_grad():
             f(tokens, positions, kc, vc)
     torch._dynamo.reset()
@@ -475,8 +478,8 @@ FUSED_OPS = {"decode_attention", "decode_qkv_rope", "decode_linear", "decode_gat
 
 @pytest.mark.parametrize("T,bound,fused", [(2, 8, True), (3, 8, False)])
 def test_compile_with_a_bounded_batch_decides_by_its_range(T, bound, fused, monkeypatch):
-    """The engine bounds its symbolic batch by its rows: batches 2..8 share one graph, which has the fused ops
-    where 8 x T rows fit (T=2) and nn.Linear where they do not (T=3), without a guard either way."""
+    """The engine's step says its batch is at most its rows: batches 2..8 share one graph, which has the fused
+    ops where 8 x T rows fit (T=2) and nn.Linear where they do not (T=3), without a guard either way."""
     from spec_graph.models import llama
 
     monkeypatch.setattr(llama.platform, "use_triton", lambda device: True)  # the path choice as on a GPU

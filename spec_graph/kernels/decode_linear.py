@@ -29,7 +29,8 @@ from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 0  # up to this many rows the sums run on CUDA cores (measured slower on an H200: off)
-PLAIN, SILU_MUL, ROPE = 0, 1, 2  # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
+# epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
+PLAIN, SILU_MUL, ROPE = 0, 1, 2
 FP32_BLOCK_K = 64  # fp32's K tile: at most about 50 KB of shared memory per program on sm90 (2 stages)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for benchmarks and tests; empty: `launch_config`.
 LAUNCH: dict = {}
