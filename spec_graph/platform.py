@@ -160,5 +160,12 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and triton_interpreting()
 
 
+def use_fused_linear(device: torch.device) -> bool:
+    """Whether decode forwards run the fused linear kernels (kernels/decode_linear.py). Their grid is one
+    program per block of output columns (thousands for a vocabulary head), more than triton-ascend's one
+    program per vector core takes, so not on NPU."""
+    return device.type != "npu" and use_triton(device)
+
+
 def max_programs(device: torch.device) -> int:
     return get(device).max_programs() if device.type != "cpu" else DEFAULT_MAX_PROGRAMS

@@ -162,7 +162,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
         fused = FUSED_LAYERS if self.fused is None else self.fused
-        if fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x) and fused_rows_ok(x):
+        if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x)
+                and platform.use_fused_linear(x.device) and fused_rows_ok(x)):
             return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -231,6 +232,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, positions, k_cache, v_cache, slots)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
-        if fused and self.model.layers[0].self_attn.uses_decode_attention(x) and fused_rows_ok(x):
+        if (fused and self.model.layers[0].self_attn.uses_decode_attention(x) and platform.use_fused_linear(x.device)
+                and fused_rows_ok(x)):
             return decode_linear(x, w, None, self.model.norm.weight, self.model.norm.eps).float()
         return F.linear(self.model.norm(x), w).float()
