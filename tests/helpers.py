@@ -121,6 +121,20 @@ def interpreter_while_testing(on: bool, env_before: str | None):
             os.environ["TRITON_INTERPRET"] = env_before
 
 
+def require_kernel(kernels, kernel, dev, needs_fresh_process: bool, suite_test: str) -> None:
+    """A kernel test's precondition: `kernel` (of module `kernels`) really runs on `dev`, not the reference it
+    is compared with; where triton was imported before the interpreter could be set, skip (`suite_test` runs
+    the module afresh)."""
+    import pytest
+
+    from spec_graph import platform
+
+    if needs_fresh_process:
+        pytest.skip(f"triton was imported before this module: run by {suite_test}")
+    assert platform.use_triton(dev), "kernel tests would compare the reference with itself"
+    assert kernels.use_kernel(kernel, torch.zeros(1, device=dev)), f"no kernel on {dev}"
+
+
 def run_module_in_fresh_process(test_file: str) -> None:
     """Run a kernel test module again in a new process with TRITON_INTERPRET=1 set before triton's import
     (something in this process imported triton first); fail unless its tests pass there."""

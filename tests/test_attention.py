@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing, run_module_in_fresh_process  # noqa: E402
+from helpers import interpreter_while_testing, require_kernel, run_module_in_fresh_process  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
@@ -61,10 +61,8 @@ def block_n(n):
 
 
 def _require_kernel():
-    if NEEDS_FRESH_PROCESS:
-        pytest.skip("triton was imported before this module: run by test_attention_suite_in_a_fresh_process")
-    assert platform.use_triton(DEV), "kernel tests would compare the reference with itself"
-    assert _att.use_kernel(_att._decode_attention_kernel, torch.zeros(1, device=DEV)), f"no kernel on {DEV}"
+    require_kernel(_att, _att._decode_attention_kernel, DEV, NEEDS_FRESH_PROCESS,
+                   "test_attention_suite_in_a_fresh_process")
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing, run_module_in_fresh_process  # noqa: E402
+from helpers import interpreter_while_testing, require_kernel, run_module_in_fresh_process  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _dl = importlib.import_module("spec_graph.kernels.decode_linear")
@@ -62,10 +62,8 @@ def launch(dot, block_n, block_k):
 
 
 def _require_kernel():
-    if NEEDS_FRESH_PROCESS:
-        pytest.skip("triton was imported before this module: run by test_decode_linear_suite_in_a_fresh_process")
-    assert platform.use_triton(DEV), "kernel tests would compare the reference with itself"
-    assert _dl.use_kernel(_dl._decode_linear_kernel, torch.zeros(1, device=DEV)), f"no kernel on {DEV}"
+    require_kernel(_dl, _dl._decode_linear_kernel, DEV, NEEDS_FRESH_PROCESS,
+                   "test_decode_linear_suite_in_a_fresh_process")
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels run in this process")
@@ -361,16 +359,23 @@ else:
 """
 
 
-def _export_in_fresh_process(T: int, variant: str) -> dict:
+def _run_compiled(script: str, *args, skip_without_ptxas: bool = False):
+    """`script` run by a fresh python from the repository root with compiled-kernel objects (not the
+    interpreter's), so torch.export traces them and triton compiles them; its last output line as JSON."""
     import json
     import subprocess
 
-    env = dict(os.environ, TRITON_INTERPRET="0")  # compiled-kernel objects, so export traces them
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, str(T), variant], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=Path(__file__).resolve().parents[1],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if skip_without_ptxas and r.returncode and "ptxas" in r.stderr.lower():
+        pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _export_in_fresh_process(T: int, variant: str) -> dict:
+    return _run_compiled(_EXPORT_SCRIPT, T, variant)
 
 
 @pytest.mark.parametrize("T,fused_ops", [(3, True), (5, False)])
@@ -428,20 +433,7 @@ def test_fp32_launches_fit_an_sm90s_shared_memory():
     """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration needs at
     most the 227 KiB of shared memory an H100/H200 program gets. The 2-byte configurations used for fp32 (the
     control) need more, so an fp32 model would fail at its first decode step."""
-    import json
-    import subprocess
-
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # compiled-kernel objects to compile
-    root = Path(__file__).resolve().parents[1]
-    shared = {}
-    for itemsize in (4, 2):
-        r = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT, str(itemsize)], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=600)
-        if r.returncode and "ptxas" in r.stderr.lower():
-            pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
-        assert r.returncode == 0, r.stderr[-3000:]
-        shared[itemsize] = json.loads(r.stdout.strip().splitlines()[-1])
+    shared = {itemsize: _run_compiled(_SMEM_SCRIPT, itemsize, skip_without_ptxas=True) for itemsize in (4, 2)}
     assert max(shared[4].values()) <= 232448, shared
     assert max(shared[2].values()) > 232448, shared
 

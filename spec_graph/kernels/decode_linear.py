@@ -38,6 +38,7 @@ LAUNCH: dict = {}
 
 # ------------------------------------------------------------------ torch references
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as models/llama.py's module computes it (it calls this): fp32 statistics, x's dtype out."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
@@ -58,7 +59,7 @@ def decode_gate_up_ref(x, w, b=None, norm_w=None, eps: float = 0.0):
 
 
 def rope_ref(x, cos, sin):
-    """Rotate-half RoPE: x [..., H, D], cos/sin [..., 1, D]."""
+    """Rotate-half RoPE: x [..., H, D], cos/sin [..., 1, D] (models/llama.py's apply_rope)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

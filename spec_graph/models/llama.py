@@ -23,7 +23,8 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention
-from ..kernels.decode_linear import decode_gate_up, decode_linear, decode_qkv_rope, fused_rows_ok
+from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope, fused_rows_ok, rms_norm_ref,
+                                     rope_ref)
 from .config import ModelArgs
 
 # Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
@@ -41,9 +42,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -63,10 +62,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, H, D]; cos/sin [B, T, 1, D]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+apply_rope = rope_ref  # x [B, T, H, D]; cos/sin [B, T, 1, D]: the fused qkv kernel's reference is the model's RoPE
 
 
 class Attention(nn.Module):
