@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step as bs  # noqa: E402
+from bench_attention import graphed  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.kernels import decode_linear as dl  # noqa: E402
 
@@ -49,24 +49,8 @@ def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
 
 def timed(plat, fn, iters: int = 20) -> float:
     """ms per call of fn (which makes REPS calls), captured in one graph; median of iters replays."""
-    stream = plat.new_stream()
-    with plat.on_side_stream(stream):
-        fn()
-    plat.join_stream(stream)
-    plat.synchronize()
-    graph = plat.new_graph()
-    plat.record(graph, fn)
-    for _ in range(3):
-        plat.replay(graph)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        plat.replay(graph)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / REPS
+    replay, _ = graphed(plat, fn)
+    return bs.median_ms(replay, iters, warmup=3) / REPS
 
 
 def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
