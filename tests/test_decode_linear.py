@@ -281,7 +281,7 @@ def _launch_log(monkeypatch) -> list:
     """The epilogue mode of every fused kernel launch from now on, in order."""
     calls = []
     real = _dl._launch
-    monkeypatch.setattr(_dl, "_launch", lambda *a: calls.append(a[0]) or real(*a))
+    monkeypatch.setattr(_dl, "_launch", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
     return calls
 
 
@@ -385,7 +385,7 @@ def test_export_keeps_a_symbolic_batch(T, fused_ops):
     take nn.Linear. Either way the batch stays symbolic. A rows test that asks the symbolic row count where the
     range cannot answer (a guard) specialises the batch and fails the export."""
     got = _export_in_fresh_process(T, "as is")
-    assert got["ops"] == (["decode_attention", "decode_gate_up", "decode_linear", "decode_qkv_rope"] if fused_ops
+    assert got["ops"] == (["decode_attention", "decode_gate_up", "decode_linear", "decode_qkv_rope_cache"] if fused_ops
                           else ["decode_attention"]), got
     assert got["ranges"] == [[1, 4]], got
     if not fused_ops:  # 4 x 5 rows may or may not fit: only a guard on the batch could say
@@ -468,7 +468,7 @@ def _compiled_graphs(model, T: int, batches, bound=None) -> list:
     return graphs
 
 
-FUSED_OPS = {"decode_attention", "decode_qkv_rope", "decode_linear", "decode_gate_up"}
+FUSED_OPS = {"decode_attention", "decode_qkv_rope_cache", "decode_linear", "decode_gate_up"}
 
 
 @pytest.mark.parametrize("T,bound,fused", [(2, 8, True), (3, 8, False)])
@@ -539,8 +539,8 @@ def test_engine_bounds_its_batch_for_the_fused_layers(max_batch_size, fused_abov
     # size 1: every layer-forward of the K+1 forwards (the verify's 5 rows fit); above 1: the draft's K forwards,
     # every layer of them (a batch bounded only by a guard met on the way would leave the first layers out)
     draft_layers, target_layers = dec.draft.args.num_layers, dec.target.args.num_layers
-    assert size_1["decode_qkv_rope"] == 4 * draft_layers + target_layers, size_1
-    assert above_1["decode_qkv_rope"] == (4 * draft_layers if fused_above_1 else 0), above_1
+    assert size_1["decode_qkv_rope_cache"] == 4 * draft_layers + target_layers, size_1
+    assert above_1["decode_qkv_rope_cache"] == (4 * draft_layers if fused_above_1 else 0), above_1
     assert above_1["decode_attention"] == size_1["decode_attention"]
 
 

@@ -134,8 +134,9 @@ def _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM: tl.const
 
 @triton.jit
 def _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
-              ROPE_COLS, srm, scm, som, MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_RES: tl.constexpr, UPCAST: tl.constexpr):
+              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, QC, skh, svh,
+              MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              WRITE_KV: tl.constexpr, UPCAST: tl.constexpr):
     """Bias, rounding, then the mode's epilogue on fp32 sums [BLOCK_M, BLOCK_N] (see _decode_linear_kernel)."""
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -160,19 +161,41 @@ def _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr,
         sin_a = tl.load(sin_ptr + offs_m[:, None] * scm + d[None, :], mask=cs_ok, other=0.0).to(tl.float32)
         cos_b = tl.load(cos_ptr + offs_m[:, None] * scm + (d + HALF)[None, :], mask=cs_ok, other=1.0).to(tl.float32)
         sin_b = tl.load(sin_ptr + offs_m[:, None] * scm + (d + HALF)[None, :], mask=cs_ok, other=0.0).to(tl.float32)
-        ya = tl.where(rot, a * cos_a - c * sin_a, a)
-        yb = tl.where(rot, c * cos_b + a * sin_b, c)
-        tl.store(out_ptr + offs_m[:, None] * som + ra[None, :], _rnd(ya, dt, UPCAST).to(dt), mask=mn_ok)
-        tl.store(out_ptr + offs_m[:, None] * som + rb[None, :], _rnd(yb, dt, UPCAST).to(dt), mask=mn_ok)
+        ya = _rnd(tl.where(rot, a * cos_a - c * sin_a, a), dt, UPCAST).to(dt)
+        yb = _rnd(tl.where(rot, c * cos_b + a * sin_b, c), dt, UPCAST).to(dt)
+        if WRITE_KV:  # q to out ([M, QC]); k and v columns into the caches at each row's slot and position
+            _store_qkv(ya, ra, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS, skh, svh,
+                       2 * HALF)
+            _store_qkv(yb, rb, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS, skh, svh,
+                       2 * HALF)
+        else:
+            tl.store(out_ptr + offs_m[:, None] * som + ra[None, :], ya, mask=mn_ok)
+            tl.store(out_ptr + offs_m[:, None] * som + rb[None, :], yb, mask=mn_ok)
+
+
+@triton.jit
+def _store_qkv(y, col, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, KC_END, skh, svh, D):
+    """Columns col of y [BLOCK_M, BLOCK_N]: q (col < QC) to out[m, col]; k (QC <= col < KC_END) to the key cache
+    at row_k[m] + head * skh + dim, v (col >= KC_END) to the value cache likewise (head dim stride 1)."""
+    is_q = col < QC
+    is_k = (col >= QC) & (col < KC_END)
+    kcol = tl.where(is_k, col - QC, 0)
+    vcol = tl.where(col >= KC_END, col - KC_END, 0)
+    tl.store(out_ptr + offs_m[:, None] * som + col[None, :], y, mask=mn_ok & is_q[None, :])
+    tl.store(kc_ptr + row_k[:, None] + ((kcol // D) * skh + kcol % D)[None, :], y, mask=mn_ok & is_k[None, :])
+    tl.store(vc_ptr + row_v[:, None] + ((vcol // D) * svh + vcol % D)[None, :], y,
+             mask=mn_ok & (col >= KC_END)[None, :])
 
 
 @triton.jit
 def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
         M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
+        kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl, svs, svh, svl, spb, spt,
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-        HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr):
     """Columns n of program pid: n = pid * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row block).
 
         xn[m]   = x[m]                                             (no norm)
@@ -183,6 +206,9 @@ def _decode_linear_kernel(
     ROPE:     ra = h*2*HALF + d, rb = ra + HALF for n = h*HALF + d;  where ra < ROPE_COLS:
               out[m, ra] = rnd(a cos[m, d] - c sin[m, d]), out[m, rb] = rnd(c cos[m, d+HALF] + a sin[m, d+HALF]);
               other heads: out[m, ra] = a, out[m, rb] = c
+    WRITE_KV (ROPE): row m = b * T + t; columns n < QC go to out [M, QC]; the k columns (QC .. ROPE_COLS) to
+              k_cache[layer, slot_b, head, positions[b, t], :] and the v columns to v_cache likewise
+              (k_off / v_off: the layer's offset; slot_b = slots[b], or b without slots)
     DOT: the sums on tensor cores (tl.dot; every block dim >= 16); else on CUDA cores, each thread keeping
     partial products over K until one reduction at the end (few rows: the weight tile is read once and
     multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading).
@@ -226,8 +252,21 @@ def _decode_linear_kernel(
     if not DOT:
         acc_a = tl.sum(acc3_a, axis=2)
         acc_b = tl.sum(acc3_b, axis=2)
+    if WRITE_KV:
+        rb_ = offs_m // T
+        pos = tl.load(pos_ptr + rb_ * spb + (offs_m % T) * spt, mask=m_ok, other=0).to(tl.int64)
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + rb_, mask=m_ok, other=0).to(tl.int64)
+        else:
+            slot = rb_.to(tl.int64)
+        row_k = k_off + slot * sks + pos * skl
+        row_v = v_off + slot * svs + pos * svl
+    else:
+        row_k = tl.zeros([BLOCK_M], tl.int64)
+        row_v = row_k
     _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
-              ROPE_COLS, srm, scm, som, MODE, HALF, HAS_BIAS, HAS_RES, UPCAST)
+              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, QC, skh, svh,
+              MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, UPCAST)
 
 
 # ------------------------------------------------------------------ launch
@@ -266,7 +305,9 @@ def fused_rows_ok(x: torch.Tensor) -> bool:
     return bool(statically_known_true(x.numel() // max(x.shape[-1], 1) <= MAX_ROWS))
 
 
-def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog):
+def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None):
+    """kv: (k_cache, v_cache, layer, slots, positions, q_cols) to write k and v into the caches (ROPE only);
+    out then holds the q columns alone."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -277,7 +318,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     w = w if w.stride(-1) == 1 else w.contiguous()
     b = b.contiguous() if b is not None else None  # the kernel reads them with unit stride
     norm_w = norm_w.contiguous() if norm_w is not None else None
-    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, n_out if kv is None else kv[5]), dtype=x.dtype, device=x.device)
     r2 = residual.reshape(M, -1) if residual is not None else out
     if residual is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
@@ -286,14 +327,23 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     rows = M if isinstance(M, int) else MAX_ROWS  # a symbolic M (<= MAX_ROWS) gets the tile of the most rows
     dot, block_n, block_k, warps, stages = launch_config(rows, n_prog, K, mode != PLAIN, x.element_size())
     grid = (triton.cdiv(n_prog, block_n),)
+    if kv is None:
+        kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        slots = None
+    else:
+        kc, vc, layer, slots, pos, q_cols = kv
+        sk, sv = kc.stride(), vc.stride()
+        kv_args = (kc, vc, pos, slots if slots is not None else pos, x.shape[-2], q_cols, layer * sk[0],
+                   layer * sv[0], sk[1], sk[2], sk[3], sv[1], sv[2], sv[3], pos.stride(0), pos.stride(1))
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
+        *kv_args,
         MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
-        DOT=dot, IEEE=x.dtype == torch.float32, UPCAST=x.device.type == "cpu",
+        WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32, UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages)
-    return out.view(*x.shape[:-1], n_out)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @torch.library.triton_op("spec_graph::decode_linear", mutates_args=())
@@ -325,6 +375,47 @@ def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tens
     if head_dim % 2 or N % head_dim:
         raise ValueError(f"decode_qkv_rope needs an even head_dim dividing the output width (N={N}, D={head_dim})")
     return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, rope_heads * head_dim, head_dim // 2, N, N // 2)
+
+
+def write_kv_ref(k_cache, v_cache, layer: int, slots, positions, k, v) -> None:
+    """k, v [B, T, Hkv, D] into the caches at [layer, slot of row b, head, positions[b, t]], as models/llama.py's
+    Attention writes them (indexing the whole 5-D buffer)."""
+    B = k.shape[0]
+    rows = (torch.arange(B, device=k.device) if slots is None else slots)[:, None, None]
+    heads = torch.arange(k.shape[2], device=k.device)[None, None, :]
+    idx = (torch.full_like(rows, layer), rows, heads, positions[:, :, None])
+    k_cache.index_put_(idx, k)
+    v_cache.index_put_(idx, v)
+
+
+@torch.library.triton_op("spec_graph::decode_qkv_rope_cache", mutates_args=("k_cache", "v_cache"))
+def _decode_qkv_rope_cache_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                              norm_w: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              n_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                              slots: Optional[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    n_kv = k_cache.shape[2]
+    q_cols = n_heads * head_dim
+    if not use_kernel(_decode_linear_kernel, x):
+        y = decode_qkv_rope_ref(x, w, b, norm_w, eps, cos, sin, n_heads + n_kv, head_dim)
+        q, k, v = y.split([q_cols, n_kv * head_dim, n_kv * head_dim], dim=-1)
+        B, T = x.shape[:2]
+        write_kv_ref(k_cache, v_cache, layer, slots, positions, k.reshape(B, T, n_kv, head_dim),
+                     v.reshape(B, T, n_kv, head_dim))
+        return q.contiguous()
+    N = w.shape[0]
+    if head_dim % 2 or N != (n_heads + 2 * n_kv) * head_dim or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"decode_qkv_rope_cache needs an even head_dim, w of (n_heads + 2 kv heads) x head_dim rows "
+                         f"and caches with a unit last stride (N={N}, D={head_dim}, heads {n_heads}/{n_kv})")
+    return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, (n_heads + n_kv) * head_dim, head_dim // 2, N, N // 2,
+                   kv=(k_cache, v_cache, layer, slots, positions.contiguous(), q_cols))
+
+
+def decode_qkv_rope_cache(x, w, b, norm_w, eps: float, cos, sin, n_heads: int, head_dim: int, k_cache, v_cache,
+                          layer: int, slots, positions) -> torch.Tensor:
+    """decode_qkv_rope whose k and v go straight into the caches (op `spec_graph::decode_qkv_rope_cache`): x is
+    [B, T, H]; writes k_cache / v_cache [layer, slot, head, positions[b, t], :] and returns q [B, T, n_heads * D]."""
+    return torch.ops.spec_graph.decode_qkv_rope_cache(x, w, b, norm_w, float(eps), cos, sin, int(n_heads),
+                                                      int(head_dim), k_cache, v_cache, int(layer), slots, positions)
 
 
 def decode_linear(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None) -> torch.Tensor:

@@ -23,8 +23,8 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention
-from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope, fused_rows_ok, rms_norm_ref,
-                                     rope_ref)
+from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok,
+                                     rms_norm_ref, rope_ref)
 from .config import ModelArgs
 
 # Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
@@ -168,11 +168,11 @@ class DecoderLayer(nn.Module):
         """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in."""
         B, T, _ = x.shape
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv = decode_qkv_rope(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
-                              sin[:, :, 0], attn.n_heads + attn.n_kv, attn.head_dim)
-        q, k, v = qkv.split(attn.qkv_split, dim=-1)
-        out = attn.attend(q.view(B, T, attn.n_heads, attn.head_dim), k.view(B, T, attn.n_kv, attn.head_dim), v,
-                          positions, k_cache, v_cache, slots)
+        q = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
+                                  sin[:, :, 0], attn.n_heads, attn.head_dim, k_cache, v_cache, attn.layer,
+                                  slots, positions)
+        out = decode_attention(q.view(B, T, attn.n_heads, attn.head_dim), k_cache, v_cache, attn.layer, slots,
+                               positions, attn.window)
         x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x)
         h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps)
         return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
