@@ -14,6 +14,7 @@ import torch
 
 from . import platform as _platform
 from .capture import CapturedFunction
+from .kernels import INDUCTOR_CONFIGS
 from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
 from .passes.manager import PassManager
 
@@ -75,7 +76,7 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"post_grad_custom_post_pass": passes, **opts.inductor}
+        patches = {"post_grad_custom_post_pass": passes, **known_inductor_configs(INDUCTOR_CONFIGS), **opts.inductor}
         if mode and mode.startswith("max-autotune"):
             patches.setdefault("max_autotune", True)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
@@ -86,6 +87,20 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     if plat.supports_graphs and opts.capture:
         return CapturedFunction(compiled, plat)
     return compiled
+
+
+def known_inductor_configs(wanted: dict) -> dict:
+    """The entries of ``wanted`` whose keys this torch's inductor config knows (an unknown key is an error)."""
+    from torch._inductor import config
+
+    known = {}
+    for key, value in wanted.items():
+        try:
+            config.__getattr__(key)  # dotted names resolve through the config module's own lookup
+        except AttributeError:
+            continue
+        known[key] = value
+    return known
 
 
 def _input_device(example_inputs) -> str | None:

@@ -62,6 +62,7 @@ from typing import Sequence
 import torch
 
 from . import __version__, platform
+from .backend import known_inductor_configs
 from .config import SpecGraphConfig
 from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
 from .export_progress import _Progress
@@ -86,19 +87,10 @@ log = logging.getLogger("spec_graph")
 
 def _inductor_configs(device_type: str | None = None) -> dict:
     """The wanted AOTInductor options for ``device_type`` that this torch knows (an unknown key is an error there)."""
-    from torch._inductor import config
-
     wanted = dict(_WANTED_INDUCTOR_CONFIGS)
     if device_type == "cpu":
         wanted.update(_WANTED_CPU_INDUCTOR_CONFIGS)
-    known = {}
-    for key, value in wanted.items():
-        try:
-            config.__getattr__(key)  # dotted names resolve through the config module's own lookup
-        except AttributeError:
-            continue
-        known[key] = value
-    return known
+    return known_inductor_configs(wanted)
 
 
 _KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")

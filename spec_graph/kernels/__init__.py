@@ -11,7 +11,17 @@ from .prepare_next import prepare_next, prepare_next_ref
 from .rejection_sample import rejection_sample, rejection_sample_ref
 from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sample
 
+
+# Inductor options for graphs that launch these kernels. By default inductor copies each kernel input that is
+# not yet a buffer into a buffer of its own, at every launch: a step's positions and RoPE tables, computed once
+# per forward, were computed again before every layer's kernels (about two extra kernels per layer). Flexible
+# layouts make such an input one buffer that all its kernels read. The launchers read strides from the traced
+# tensors and pass only contiguous tensors or views of buffers, which is what a flexible buffer gets when
+# inductor does not pad it, so padding is off where these options apply.
+INDUCTOR_CONFIGS = {"triton_kernel_default_layout_constraint": "flexible_layout", "comprehensive_padding": False}
+
 __all__ = [
+    "INDUCTOR_CONFIGS",
     "ACCEPT_COL",
     "block_verify",
     "block_verify_ref",

@@ -340,7 +340,8 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
         *kv_args,
         MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
-        WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32, UPCAST=x.device.type == "cpu",
+        WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
+        UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -407,7 +408,8 @@ def _decode_qkv_rope_cache_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torc
         raise ValueError(f"decode_qkv_rope_cache needs an even head_dim, w of (n_heads + 2 kv heads) x head_dim rows "
                          f"and caches with a unit last stride (N={N}, D={head_dim}, heads {n_heads}/{n_kv})")
     return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, (n_heads + n_kv) * head_dim, head_dim // 2, N, N // 2,
-                   kv=(k_cache, v_cache, layer, slots, positions.contiguous(), q_cols))
+                   kv=(k_cache, v_cache, layer, slots if slots is None else slots.contiguous(),
+                       positions.contiguous(), q_cols))
 
 
 def decode_qkv_rope_cache(x, w, b, norm_w, eps: float, cos, sin, n_heads: int, head_dim: int, k_cache, v_cache,

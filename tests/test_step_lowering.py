@@ -1,0 +1,108 @@
+"""What inductor makes of the engine's compiled step around the Triton kernels, checked on any machine.
+
+The step is compiled as on a GPU (the kernels' path forced, triton aimed at a stand-in sm90 target) and stopped
+when inductor has lowered it, before code generation; the test reads inductor's list of buffers and kernels.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+_LOWER_SCRIPT = r"""
+import collections, json, sys, tempfile
+from pathlib import Path
+import torch, triton
+from triton.backends.compiler import GPUTarget
+sys.path.insert(0, "tests")
+
+
+class StandInDriver:  # enough of a CUDA driver for inductor to lower triton kernels
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, *a):
+        return 0
+
+
+triton.runtime.driver.set_active(StandInDriver())
+import spec_graph.backend as backend
+from spec_graph import SpecDecoder, SpecGraphConfig, platform
+from spec_graph.kernels import attention, decode_linear
+from helpers import build_tokenizer, make_checkpoint, perturbed_copy
+
+for mod in (decode_linear, attention):
+    mod.use_kernel = lambda kernel, x: True
+platform.use_triton = lambda device: True
+platform.use_fused_linear = lambda device: True
+if sys.argv[1] == "default layout":  # the control: inductor's own layout rule for kernel inputs
+    backend.INDUCTOR_CONFIGS = {}
+root = Path(tempfile.mkdtemp())
+tok = build_tokenizer(96)
+target = make_checkpoint(root / "t", vocab_size=96, tokenizer=tok, layers=3)
+draft = perturbed_copy(target, root / "d", noise=0.03)
+
+
+class Lowered(Exception):
+    pass
+
+
+def read(scheduler, operations):
+    from torch._inductor.virtualized import V
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    out = collections.Counter()
+    for op in V.graph.operations:
+        origins = {str(o.target) for o in op.origins}
+        if type(op).__name__ == "UserDefinedTritonKernel":
+            out["kernel " + kernel_side_table.get_kernel(op.kernel_idx).fn.__name__] += 1
+        elif any("aten.cos" in o for o in origins):
+            out["cos buffers"] += 1
+        elif any("index_put" in o for o in origins) and len(op.get_size()) == 5:  # [layers, slots, Hkv, L, D]
+            out["cache index_put buffers"] += 1
+    raise Lowered(json.dumps(out))
+
+
+import torch._inductor.scheduler as scheduler
+scheduler.Scheduler.__init__ = read
+dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=4, max_len=64,
+                                                                 max_batch_size=1, enable_graph=True))
+try:
+    with torch.inference_mode():
+        dec._step_fn(True)(*dec._step_args(1))
+except Exception as e:
+    msg = str(e)
+    print(msg[msg.index("{"):msg.index("}") + 1])
+"""
+
+
+def _lowered(variant: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _LOWER_SCRIPT, variant], cwd=Path(__file__).resolve().parents[1],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip(), r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
+    """Each of the step's five forwards (four drafts, the verify; 3 layers each) computes its RoPE tables once,
+    in one buffer that every layer's qkv kernel reads, and the qkv kernel writes k and v into the caches (no
+    index_put). The control lowers the same step under inductor's default layout rule for kernel inputs, which
+    copies the tables again for each layer's kernel."""
+    forwards, layers = 5, 3
+    got = _lowered("as is")
+    assert got["kernel _decode_linear_kernel"] == forwards * (4 * layers + 1), got  # + lm_head
+    assert got["kernel _decode_attention_kernel"] == forwards * layers, got
+    assert got.get("cache index_put buffers", 0) == 0, got
+    assert got["cos buffers"] == forwards, got
+    control = _lowered("default layout")
+    assert control["cos buffers"] >= forwards * layers, control
