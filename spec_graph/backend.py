@@ -29,7 +29,7 @@ class BackendOptions:
     passes: {pass name: bool} to turn passes on or off (see ``PassManager.names()``).
     capture: record static graphs on CUDA/NPU (default True); False returns the compiled function.
     device: "cuda" | "npu" | "cpu", default: where the graph's inputs live.
-    inductor: extra inductor config patches.
+    inductor: extra inductor config patches, applied over kernels.INDUCTOR_CONFIGS.
     on_passes: called once per compiled graph, when its compile returns, with the passes'
         {pass name: replacements}, or with None when they did not run during the compile, in this
         process: inductor's FX graph cache or AOT autograd cache served the graph (post-grad passes

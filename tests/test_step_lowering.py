@@ -106,3 +106,32 @@ def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
     assert got["cos buffers"] == forwards, got
     control = _lowered("default layout")
     assert control["cos buffers"] >= forwards * layers, control
+
+
+def test_backend_hands_inductor_the_kernel_options_and_a_user_override_wins(monkeypatch):
+    """The backend compiles with INDUCTOR_CONFIGS (each key this torch knows); options={"inductor": ...} overrides
+    them, so a caller can have inductor's default layout rule back."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+
+    from spec_graph.backend import spec_graph_backend
+    from spec_graph.kernels import INDUCTOR_CONFIGS
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen.append(dict(config_patches))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    x = torch.ones(3)
+    spec_graph_backend(gm, [x], options={"capture": False})
+    strict = "needs_fixed_stride_order"
+    spec_graph_backend(gm, [x], options={"capture": False,
+                                         "inductor": {"triton_kernel_default_layout_constraint": strict}})
+    default, overridden = seen
+    for key, value in INDUCTOR_CONFIGS.items():
+        assert default[key] == value, default
+    assert overridden["triton_kernel_default_layout_constraint"] == strict
+    assert overridden["comprehensive_padding"] is False
