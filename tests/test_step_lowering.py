@@ -45,8 +45,14 @@ for mod in (decode_linear, attention):
     mod.use_kernel = lambda kernel, x: True
 platform.use_triton = lambda device: True
 platform.use_fused_linear = lambda device: True
-if sys.argv[1] == "default layout":  # the control: inductor's own layout rule for kernel inputs
+variant, rows = sys.argv[1], int(sys.argv[2])
+if variant == "default layout":  # the control: inductor's own layout rule for kernel inputs
     backend.INDUCTOR_CONFIGS = {}
+if variant == "permuted q":  # the control of the stride check: q reaches the attention kernel as a computed
+    from spec_graph.models import llama  # tensor whose traced strides are not row-major
+    attend = llama.decode_attention
+    llama.decode_attention = lambda q, *a: attend((q.transpose(1, 2) * 1).transpose(1, 2), *a)
+mismatches = []
 root = Path(tempfile.mkdtemp())
 tok = build_tokenizer(96)
 target = make_checkpoint(root / "t", vocab_size=96, tokenizer=tok, layers=3)
@@ -64,30 +70,51 @@ def read(scheduler, operations):
     for op in V.graph.operations:
         origins = {str(o.target) for o in op.origins}
         if type(op).__name__ == "UserDefinedTritonKernel":
-            out["kernel " + kernel_side_table.get_kernel(op.kernel_idx).fn.__name__] += 1
+            name = kernel_side_table.get_kernel(op.kernel_idx).fn.__name__
+            out["kernel " + name] += 1
+            mismatches.extend(f"{name}.{arg}" for arg in strides_unlike_traced(op))
         elif any("aten.cos" in o for o in origins):
             out["cos buffers"] += 1
         elif any("index_put" in o for o in origins) and len(op.get_size()) == 5:  # [layers, slots, Hkv, L, D]
             out["cache index_put buffers"] += 1
+    out["stride mismatches"] = sorted(set(mismatches))
     raise Lowered(json.dumps(out))
+
+
+def strides_unlike_traced(op):
+    # the kernel's tensor arguments whose strides, as inductor lays them out, differ from the traced tensors'
+    # (which the launchers read) in a dimension of more than one element
+    from torch._inductor.virtualized import V
+    node = next(o for o in op.origins if "triton_kernel_wrapper_mutation" in str(o.target))
+    traced = node.kwargs["kwargs"]
+    for arg, ir_arg in op.kwargs.items():
+        fx_arg = traced.get(arg)
+        if not hasattr(ir_arg, "get_stride") or not isinstance(fx_arg, torch.fx.Node):
+            continue
+        val = fx_arg.meta["val"]
+        for size, got, want in zip(val.shape, ir_arg.get_stride(), val.stride()):
+            if not V.graph.sizevars.statically_known_equals(size, 1) and \
+                    not V.graph.sizevars.statically_known_equals(got, want):
+                yield arg
+                break
 
 
 import torch._inductor.scheduler as scheduler
 scheduler.Scheduler.__init__ = read
 dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=4, max_len=64,
-                                                                 max_batch_size=1, enable_graph=True))
+                                                                 max_batch_size=rows, enable_graph=True))
 try:
     with torch.inference_mode():
-        dec._step_fn(True)(*dec._step_args(1))
+        dec._step_fn(True)(*dec._step_args(min(rows, 2)))
 except Exception as e:
     msg = str(e)
-    print(msg[msg.index("{"):msg.index("}") + 1])
+    print(msg[msg.index("{"):msg.rindex("}") + 1])
 """
 
 
-def _lowered(variant: str) -> dict:
+def _lowered(variant: str, rows: int = 1) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _LOWER_SCRIPT, variant], cwd=Path(__file__).resolve().parents[1],
+    r = subprocess.run([sys.executable, "-c", _LOWER_SCRIPT, variant, str(rows)], cwd=Path(__file__).resolve().parents[1],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip(), r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -104,8 +131,19 @@ def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
     assert got["kernel _decode_attention_kernel"] == forwards * layers, got
     assert got.get("cache index_put buffers", 0) == 0, got
     assert got["cos buffers"] == forwards, got
+    assert got["stride mismatches"] == [], got
     control = _lowered("default layout")
     assert control["cos buffers"] >= forwards * layers, control
+
+
+def test_kernel_inputs_keep_their_traced_strides():
+    """Under the flexible layout the launchers' strides (read from the traced tensors) must still be the strides
+    of what inductor hands each kernel. They are, in the size-1 graph (fused layers) and in the graph that a
+    32-row engine's buckets above 1 share (nn.Linear layers beside the attention op). The control feeds the
+    attention op a computed q whose traced strides are not row-major: inductor lays it out row-major, and the
+    check names the argument."""
+    assert _lowered("as is", 32)["stride mismatches"] == []
+    assert _lowered("permuted q")["stride mismatches"] == ["_decode_attention_kernel.q_ptr"]
 
 
 def test_backend_hands_inductor_the_kernel_options_and_a_user_override_wins(monkeypatch):
