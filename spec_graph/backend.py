@@ -14,7 +14,6 @@ import torch
 
 from . import platform as _platform
 from .capture import CapturedFunction
-from .kernels import INDUCTOR_CONFIGS
 from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
 from .passes.manager import PassManager
 
@@ -29,7 +28,7 @@ class BackendOptions:
     passes: {pass name: bool} to turn passes on or off (see ``PassManager.names()``).
     capture: record static graphs on CUDA/NPU (default True); False returns the compiled function.
     device: "cuda" | "npu" | "cpu", default: where the graph's inputs live.
-    inductor: extra inductor config patches, applied over kernels.INDUCTOR_CONFIGS.
+    inductor: extra inductor config patches (the engine and the vLLM drafter pass kernels.INDUCTOR_CONFIGS).
     on_passes: called once per compiled graph, when its compile returns, with the passes'
         {pass name: replacements}, or with None when they did not run during the compile, in this
         process: inductor's FX graph cache or AOT autograd cache served the graph (post-grad passes
@@ -76,7 +75,7 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"post_grad_custom_post_pass": passes, **known_inductor_configs(INDUCTOR_CONFIGS), **opts.inductor}
+        patches = {"post_grad_custom_post_pass": passes, **opts.inductor}
         if mode and mode.startswith("max-autotune"):
             patches.setdefault("max_autotune", True)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)

@@ -154,7 +154,8 @@ class SpecDecoder(DecoderBase):
 
             fn = one_step
             if compiled:
-                from .backend import spec_graph_backend
+                from .backend import known_inductor_configs, spec_graph_backend
+                from .kernels import INDUCTOR_CONFIGS
 
                 mode, expected = ("greedy" if greedy else "sampling"), EXPECTED_FUSION[greedy]
                 check = bool(self.config.passes.get(expected, True))  # a pass turned off is not expected
@@ -163,7 +164,8 @@ class SpecDecoder(DecoderBase):
                 compiled_step = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
                                               options={"capture": False, "device": self.platform.name,
                                                        "passes": dict(self.config.passes),
-                                                       "on_passes": reports.append})
+                                                       "on_passes": reports.append,
+                                                       "inductor": known_inductor_configs(INDUCTOR_CONFIGS)})
 
                 def fn(st, out_buf, acc_log, *rest):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch

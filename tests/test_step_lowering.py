@@ -36,7 +36,7 @@ class StandInDriver:  # enough of a CUDA driver for inductor to lower triton ker
 
 
 triton.runtime.driver.set_active(StandInDriver())
-import spec_graph.backend as backend
+import spec_graph.kernels as kernels
 from spec_graph import SpecDecoder, SpecGraphConfig, platform
 from spec_graph.kernels import attention, decode_linear
 from helpers import build_tokenizer, make_checkpoint, perturbed_copy
@@ -47,7 +47,7 @@ platform.use_triton = lambda device: True
 platform.use_fused_linear = lambda device: True
 variant, rows = sys.argv[1], int(sys.argv[2])
 if variant == "default layout":  # the control: inductor's own layout rule for kernel inputs
-    backend.INDUCTOR_CONFIGS = {}
+    kernels.INDUCTOR_CONFIGS = {}
 if variant == "permuted q":  # the control of the stride check: q reaches the attention kernel as a computed
     from spec_graph.models import llama  # tensor whose traced strides are not row-major
     attend = llama.decode_attention
@@ -77,6 +77,8 @@ def read(scheduler, operations):
             out["cos buffers"] += 1
         elif any("index_put" in o for o in origins) and len(op.get_size()) == 5:  # [layers, slots, Hkv, L, D]
             out["cache index_put buffers"] += 1
+        elif type(op).__name__ == "ComputedBuffer" and len(op.get_size()) == 5:  # a copy of a whole cache
+            out["other cache-sized buffers"] += 1
     out["stride mismatches"] = sorted(set(mismatches))
     raise Lowered(json.dumps(out))
 
@@ -129,7 +131,7 @@ def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
     got = _lowered("as is")
     assert got["kernel _decode_linear_kernel"] == forwards * (4 * layers + 1), got  # + lm_head
     assert got["kernel _decode_attention_kernel"] == forwards * layers, got
-    assert got.get("cache index_put buffers", 0) == 0, got
+    assert got.get("cache index_put buffers", 0) == 0 and got.get("other cache-sized buffers", 0) == 0, got
     assert got["cos buffers"] == forwards, got
     assert got["stride mismatches"] == [], got
     control = _lowered("default layout")
@@ -146,13 +148,13 @@ def test_kernel_inputs_keep_their_traced_strides():
     assert _lowered("permuted q")["stride mismatches"] == ["_decode_attention_kernel.q_ptr"]
 
 
-def test_backend_hands_inductor_the_kernel_options_and_a_user_override_wins(monkeypatch):
-    """The backend compiles with INDUCTOR_CONFIGS (each key this torch knows); options={"inductor": ...} overrides
-    them, so a caller can have inductor's default layout rule back."""
+def test_engine_hands_inductor_the_kernel_options(monkeypatch):
+    """The engine's step compile passes INDUCTOR_CONFIGS (the keys this torch knows) to inductor; the backend
+    alone keeps inductor's defaults, and a caller's options={"inductor": ...} reach inductor as given."""
     import torch
     import torch._inductor.compile_fx as cfx
 
-    from spec_graph.backend import spec_graph_backend
+    from spec_graph.backend import known_inductor_configs, spec_graph_backend
     from spec_graph.kernels import INDUCTOR_CONFIGS
 
     seen = []
@@ -163,13 +165,23 @@ def test_backend_hands_inductor_the_kernel_options_and_a_user_override_wins(monk
 
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    x = torch.ones(3)
-    spec_graph_backend(gm, [x], options={"capture": False})
-    strict = "needs_fixed_stride_order"
-    spec_graph_backend(gm, [x], options={"capture": False,
-                                         "inductor": {"triton_kernel_default_layout_constraint": strict}})
-    default, overridden = seen
-    for key, value in INDUCTOR_CONFIGS.items():
-        assert default[key] == value, default
-    assert overridden["triton_kernel_default_layout_constraint"] == strict
-    assert overridden["comprehensive_padding"] is False
+    spec_graph_backend(gm, [torch.ones(3)], options={"capture": False})
+    spec_graph_backend(gm, [torch.ones(3)], options={"capture": False, "inductor": {"comprehensive_padding": True}})
+    plain, given = seen
+    assert not set(INDUCTOR_CONFIGS) & set(plain), plain
+    assert given["comprehensive_padding"] is True
+
+    from helpers import build_tokenizer, make_checkpoint, perturbed_copy
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    root = Path(__import__("tempfile").mkdtemp())
+    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
+    dec = SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
+                                      SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        dec._step_fn(True)(*dec._step_args(1))
+    torch._dynamo.reset()
+    step = seen[-1]
+    assert known_inductor_configs(INDUCTOR_CONFIGS) and all(step[k] == v for k, v in
+                                                            known_inductor_configs(INDUCTOR_CONFIGS).items()), step

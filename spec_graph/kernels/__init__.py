@@ -12,12 +12,14 @@ from .rejection_sample import rejection_sample, rejection_sample_ref
 from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sample
 
 
-# Inductor options for graphs that launch these kernels. By default inductor copies each kernel input that is
+# Inductor options for the engine's step and the vLLM drafter's chain (passed as the backend's "inductor"
+# option; the backend alone keeps inductor's defaults). By default inductor copies each kernel input that is
 # not yet a buffer into a buffer of its own, at every launch: a step's positions and RoPE tables, computed once
 # per forward, were computed again before every layer's kernels (about two extra kernels per layer). Flexible
 # layouts make such an input one buffer that all its kernels read. The launchers read strides from the traced
-# tensors and pass only contiguous tensors or views of buffers, which is what a flexible buffer gets when
-# inductor does not pad it, so padding is off where these options apply.
+# tensors, so this holds only where inductor lays the buffer out with those strides: row-major, unpadded
+# (padding is off), and not re-homed into a later torch.cat's output (a cat of a kernel input would get the
+# cat's row stride). tests/test_step_lowering.py checks every kernel input of these graphs.
 INDUCTOR_CONFIGS = {"triton_kernel_default_layout_constraint": "flexible_layout", "comprehensive_padding": False}
 
 __all__ = [
