@@ -240,30 +240,35 @@ def _layer_model(dtype, arch="LlamaForCausalLM", bias=False):
     return model.to(dtype).to(DEV)
 
 
-def _forward(model, fused: bool, monkeypatch, tokens, positions, cache):
+def _forward(model, fused: bool, monkeypatch, tokens, positions, cache, slots=None):
     from spec_graph.models import llama
 
     monkeypatch.setattr(llama, "FUSED_LAYERS", fused)
     kc, vc = (c.clone() for c in cache)
     with torch.no_grad():
-        return model(tokens, positions, kc, vc), kc, vc
+        return model(tokens, positions, kc, vc, slots), kc, vc
 
 
-@pytest.mark.parametrize("dtype,bias,T", [(torch.float32, False, 5), (torch.float32, True, 3),
-                                          (torch.bfloat16, False, 5), (torch.bfloat16, True, 1)])
-def test_fused_layers_equal_module_path(dtype, bias, T, monkeypatch):
+@pytest.mark.parametrize("dtype,bias,T,slotted", [(torch.float32, False, 5, False), (torch.float32, True, 3, False),
+                                                  (torch.bfloat16, False, 5, False), (torch.bfloat16, True, 1, False),
+                                                  (torch.float32, False, 3, True)])
+def test_fused_layers_equal_module_path(dtype, bias, T, slotted, monkeypatch):
     """A verify (T=5: 10 rows) or draft forward (T=1, 3: 2 and 6 rows) of two batch rows at
     different lengths: logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
-    broken (residual dropped) they do not."""
+    broken (residual dropped) they do not. Slotted: the rows live in cache slots 2 and 0 of 3 (the k/v
+    writes follow `slots`; slot 1 stays as it was)."""
     _require_kernel()
     model = _layer_model(dtype, bias=bias)
     B, Lc = 2, 48
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (B, T), generator=g).to(DEV)
     positions = (torch.tensor([[7], [30]]) + torch.arange(T)).to(DEV)
-    cache = [(torch.randn(2, B, 2, Lc, 16, generator=g) * 0.5).to(dtype).to(DEV) for _ in range(2)]
-    want, wk, wv = _forward(model, False, monkeypatch, tokens, positions, cache)
-    got, gk, gv = _forward(model, True, monkeypatch, tokens, positions, cache)
+    n_slots, slots = (3, torch.tensor([2, 0]).to(DEV)) if slotted else (B, None)
+    cache = [(torch.randn(2, n_slots, 2, Lc, 16, generator=g) * 0.5).to(dtype).to(DEV) for _ in range(2)]
+    want, wk, wv = _forward(model, False, monkeypatch, tokens, positions, cache, slots)
+    got, gk, gv = _forward(model, True, monkeypatch, tokens, positions, cache, slots)
+    if slotted:
+        assert torch.equal(gk[:, 1], cache[0][:, 1]) and not torch.equal(gk[:, 2], cache[0][:, 2])
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     assert torch.allclose(got, want, **tol), (got - want).abs().max()
     assert torch.allclose(gk.float(), wk.float(), **tol) and torch.allclose(gv.float(), wv.float(), **tol)
@@ -273,7 +278,7 @@ def test_fused_layers_equal_module_path(dtype, bias, T, monkeypatch):
     real = _dl.decode_linear_ref
     monkeypatch.setattr(_dl, "decode_linear_ref", lambda x, w, b=None, nw=None, eps=0.0, r=None: real(x, w, b, nw, eps))
     monkeypatch.setattr(_dl, "use_kernel", lambda *a: False)  # the (broken) reference stands in for the kernel
-    bad, _, _ = _forward(model, True, monkeypatch, tokens, positions, cache)
+    bad, _, _ = _forward(model, True, monkeypatch, tokens, positions, cache, slots)
     assert not torch.allclose(bad, want, **tol)
 
 
