@@ -194,3 +194,20 @@ class FakePlatform(Platform):
 
 def fake_platform(events: list | None = None) -> FakePlatform:
     return FakePlatform("cpu", [] if events is None else events)
+
+
+def run_compiled_script(script: str, *args, skip_without_ptxas: bool = False):
+    """`script` run by a fresh python from the repository root with compiled-kernel objects (not the
+    interpreter's), so torch traces them and triton compiles them; its last output line as JSON."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=Path(__file__).resolve().parents[1],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if skip_without_ptxas and r.returncode and "ptxas" in r.stderr.lower():
+        pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

@@ -14,7 +14,6 @@ if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().na
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import contextlib  # noqa: E402
-from pathlib import Path  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -22,7 +21,8 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing, require_kernel, run_module_in_fresh_process  # noqa: E402
+from helpers import (interpreter_while_testing, require_kernel, run_compiled_script,  # noqa: E402
+                     run_module_in_fresh_process)
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _dl = importlib.import_module("spec_graph.kernels.decode_linear")
@@ -364,23 +364,8 @@ else:
 """
 
 
-def _run_compiled(script: str, *args, skip_without_ptxas: bool = False):
-    """`script` run by a fresh python from the repository root with compiled-kernel objects (not the
-    interpreter's), so torch.export traces them and triton compiles them; its last output line as JSON."""
-    import json
-    import subprocess
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=Path(__file__).resolve().parents[1],
-                       env=env, capture_output=True, text=True, timeout=600)
-    if skip_without_ptxas and r.returncode and "ptxas" in r.stderr.lower():
-        pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def _export_in_fresh_process(T: int, variant: str) -> dict:
-    return _run_compiled(_EXPORT_SCRIPT, T, variant)
+    return run_compiled_script(_EXPORT_SCRIPT, T, variant)
 
 
 @pytest.mark.parametrize("T,fused_ops", [(3, True), (5, False)])
@@ -438,7 +423,7 @@ def test_fp32_launches_fit_an_sm90s_shared_memory():
     """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration needs at
     most the 227 KiB of shared memory an H100/H200 program gets. The 2-byte configurations used for fp32 (the
     control) need more, so an fp32 model would fail at its first decode step."""
-    shared = {itemsize: _run_compiled(_SMEM_SCRIPT, itemsize, skip_without_ptxas=True) for itemsize in (4, 2)}
+    shared = {itemsize: run_compiled_script(_SMEM_SCRIPT, itemsize, skip_without_ptxas=True) for itemsize in (4, 2)}
     assert max(shared[4].values()) <= 232448, shared
     assert max(shared[2].values()) > 232448, shared
 

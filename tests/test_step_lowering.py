@@ -3,13 +3,11 @@
 The step is compiled as on a GPU (the kernels' path forced, triton aimed at a stand-in sm90 target) and stopped
 when inductor has lowered it, before code generation; the test reads inductor's list of buffers and kernels.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_compiled_script
 
 pytest.importorskip("triton")
 
@@ -115,11 +113,7 @@ except Exception as e:
 
 
 def _lowered(variant: str, rows: int = 1) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _LOWER_SCRIPT, variant, str(rows)], cwd=Path(__file__).resolve().parents[1],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip(), r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compiled_script(_LOWER_SCRIPT, variant, rows)
 
 
 def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
