@@ -6,8 +6,9 @@ For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
 count M (B x positions), times
   - cublas: F.linear alone (the matmul the fused kernel replaces; its norm and epilogue kernels not counted)
-  - fused: the spec_graph op, at the launch configuration `launch_config` picks (and, with --sweep, the
-    best of a grid of (DOT, BLOCK_N, BLOCK_K, warps, stages), printed for the choices in `launch_config`)
+  - fused: the spec_graph op with split-K counters, at the launch configuration `launch_config` picks (and,
+    with --sweep, the best of a grid of (DOT, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K), printed for the
+    choices in `launch_config`)
 Each timing captures REPS calls in one CUDA graph, each call on its own copy of the weights (as the layers
 of a forward: nothing is served from L2), and reports the median replay time / REPS. GB/s counts the
 weight bytes. CUDA only.
@@ -32,10 +33,10 @@ from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.kernels import decode_linear as dl  # noqa: E402
 
 REPS = 16
-# (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS rows,
-# tensor-core sums above
-GRID_CUDA_CORES = [(False, n, k, w, 2) for n, k, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))]
-GRID_DOT = [(True, n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
+# (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS
+# rows, tensor-core sums above (warps and stages as launch_config picks them for the layer)
+GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))]
+GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
 
 
 def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
@@ -64,13 +65,15 @@ def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
     cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
     rope_heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
     ops = {
-        "qkv": lambda w: dl.decode_qkv_rope(x, w, None, nw, 1e-6, cos, sin, rope_heads, D),
-        "o": lambda w: dl.decode_linear(x, w, residual=r),
-        "gate_up": lambda w: dl.decode_gate_up(x, w, None, nw, 1e-6),
-        "down": lambda w: dl.decode_linear(x, w, residual=r),
-        "lm_head": lambda w: dl.decode_linear(x, w, None, nw, 1e-6),
+        "qkv": lambda w, sync: dl.decode_qkv_rope(x, w, None, nw, 1e-6, cos, sin, rope_heads, D, sync=sync),
+        "o": lambda w, sync: dl.decode_linear(x, w, residual=r, sync=sync),
+        "gate_up": lambda w, sync: dl.decode_gate_up(x, w, None, nw, 1e-6, sync=sync),
+        "down": lambda w, sync: dl.decode_linear(x, w, residual=r, sync=sync),
+        "lm_head": lambda w, sync: dl.decode_linear(x, w, None, nw, 1e-6, sync=sync),
     }
+    sync = dl.new_sync(dev)
     op = ops[name]
+    op = (lambda w, op=op: op(w, sync=sync))
     return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
 
 
@@ -78,7 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5,8,16")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
-    ap.add_argument("--sweep-rows", default="1,5,8", help="row counts the sweep covers")
+    ap.add_argument("--sweep-rows", default="1", help="row counts the sweep covers")
     a = ap.parse_args()
     plat = sg_platform.current()
     if plat.name != "cuda":
@@ -86,6 +89,7 @@ def main() -> None:
     import triton
 
     dev, dt = plat.device, torch.bfloat16
+    sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, triton {triton.__version__}")
     print("| model | layer | M | N | K | cublas us | fused us | fused/cublas | fused GB/s | default config "
           "| best config | best us |")
@@ -97,12 +101,15 @@ def main() -> None:
                 t_c = timed(plat, cublas)
                 t_f = timed(plat, fused)
                 paired = name in ("qkv", "gate_up")
-                default = dl.launch_config(M, N // 2 if paired else N, K, paired)
+                default = dl.launch_config(M, N // 2 if paired else N, K, paired, 2, sms, rope=name == "qkv")
                 best, t_best = default, t_f
                 if a.sweep and str(M) in a.sweep_rows.split(","):
-                    for conf in GRID_CUDA_CORES if M <= dl.CUDA_CORE_ROWS else GRID_DOT:
+                    grid = (GRID_CUDA_CORES if M <= dl.CUDA_CORE_ROWS else
+                            [(True, n, k, *default[3:5], s) for n, k, s in GRID_DOT])
+                    tried = []
+                    for conf in grid:
                         dl.LAUNCH.update(DOT=conf[0], BLOCK_N=conf[1], BLOCK_K=conf[2], num_warps=conf[3],
-                                         num_stages=conf[4])
+                                         num_stages=conf[4], SPLIT_K=conf[5])
                         try:
                             t = timed(plat, fused, iters=10)
                         except Exception as e:  # e.g. out of shared memory at this tile size
@@ -110,8 +117,13 @@ def main() -> None:
                             t = float("inf")
                         finally:
                             dl.LAUNCH.clear()
+                        tried.append((t, conf))
                         if t < t_best:
                             best, t_best = conf, t
+                    top = ", ".join(f"{c[1:3] + c[5:]} {t * 1e3:.1f}" for t, c in sorted(tried)[:6])
+                    t1, c1 = min((t, c) for t, c in tried if c[5] == 1)
+                    print(f"<!-- {model} {name} M={M} fastest (BLOCK_N, BLOCK_K, SPLIT_K) us: {top}; "
+                          f"unsplit {c1[1:3]} {t1 * 1e3:.1f} -->")
                 gbs = N * K * 2 / (t_f * 1e-3) / 1e9
                 print(f"| {model} | {name} | {M} | {N} | {K} | {t_c * 1e3:.1f} | {t_f * 1e3:.1f} | {t_f / t_c:.2f} | "
                       f"{gbs:.0f} | {default} | {best} | {t_best * 1e3:.1f} |", flush=True)

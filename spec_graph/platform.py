@@ -16,6 +16,7 @@ import torch
 # program (grid-stride), so a small grid is always correct; triton-ascend maps
 # programs to physical vector cores, so there it must not exceed the core count.
 DEFAULT_MAX_PROGRAMS = 1024
+CPU_SMS = 132  # multiprocessors assumed off CUDA (an H100's / H200's count)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,14 @@ def use_fused_linear(device: torch.device) -> bool:
     program per block of output columns (thousands for a vocabulary head), more than triton-ascend's one
     program per vector core takes, so not on NPU."""
     return device.type != "npu" and use_triton(device)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (split-K sizes its grids by them); elsewhere CPU_SMS, so that
+    the interpreter runs the same split launches."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SMS
 
 
 def max_programs(device: torch.device) -> int:

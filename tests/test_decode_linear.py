@@ -50,10 +50,11 @@ def _interpreter_on_while_testing():
 
 
 @contextlib.contextmanager
-def launch(dot, block_n, block_k):
-    """The kernels' launch configuration set (tensor-core or CUDA-core sums, tile sizes), restored afterwards."""
+def launch(dot, block_n, block_k, split=1):
+    """The kernels' launch configuration set (tensor-core or CUDA-core sums, tile sizes, programs per column
+    block), restored afterwards."""
     saved = dict(_dl.LAUNCH)
-    _dl.LAUNCH.update(DOT=dot, BLOCK_N=block_n if dot else block_n // 4, BLOCK_K=block_k)
+    _dl.LAUNCH.update(DOT=dot, BLOCK_N=block_n if dot else block_n // 4, BLOCK_K=block_k, SPLIT_K=split)
     try:
         yield
     finally:
@@ -91,10 +92,11 @@ def linear_case(draw):
     K = draw(st.sampled_from([16, 24, 48, 64, 100, 128]))
     block_n = draw(st.sampled_from([16, 32]))
     block_k = draw(st.sampled_from([16, 32, 64]))
+    split = draw(st.sampled_from([1, 2, 3, 4, 8]))  # split-K; with K's tiles, uneven or fewer splits too
     dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
     bias, norm = draw(st.booleans()), draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
-    return B, T, K, (dot, block_n, block_k), dtype, bias, norm, seed
+    return B, T, K, (dot, block_n, block_k, split), dtype, bias, norm, seed
 
 
 def _inputs(B, T, K, N, dtype, bias, norm, g):
@@ -118,10 +120,12 @@ def test_linear_matches_reference(case, N, residual):
     x, w, b, nw = _inputs(B, T, K, N, dtype, bias, norm, g)
     r = torch.randn(B, T, N, generator=g).to(dtype) if residual else None
     args = _dev(x, w, b, nw, 1e-5, r)
+    sync = _dl.new_sync(DEV)
     with launch(*conf):
-        got = decode_linear(*args)
+        got = decode_linear(*args, sync=sync)
     ref = decode_linear_ref(*args)
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+    assert not sync.any()  # every split launch leaves its counters at zero
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -132,10 +136,12 @@ def test_gate_up_matches_reference(case, inter):
     g = torch.Generator().manual_seed(seed)
     x, w, b, nw = _inputs(B, T, K, 2 * inter, dtype, bias, norm, g)
     args = _dev(x, w, b, nw, 1e-6)
+    sync = _dl.new_sync(DEV)
     with launch(*conf):
-        got = decode_gate_up(*args)
+        got = decode_gate_up(*args, sync=sync)
     ref = decode_gate_up_ref(*args)
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+    assert not sync.any()
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -149,10 +155,31 @@ def test_qkv_rope_matches_reference(case, D, groups, kv, extra):
     x, w, b, nw = _inputs(B, T, K, (rope_heads + extra) * D, dtype, bias, norm, g)
     cos, sin = _rope_tables(B, T, D, dtype, g)
     args = _dev(x, w, b, nw, 1e-6, cos, sin, rope_heads, D)
+    sync = _dl.new_sync(DEV)
     with launch(*conf):
-        got = decode_qkv_rope(*args)
+        got = decode_qkv_rope(*args, sync=sync)
     ref = decode_qkv_rope_ref(*args)
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
+    assert not sync.any()
+
+
+def test_split_k_meets_once_per_column_block():
+    """Split-K: each of a column block's programs counts itself once; the last adds every partial and resets the
+    count, so a second launch reuses the counters. The control: a counter left stale (100) by an earlier launch
+    never reaches the last count, so that block is never finished or reset (it ends at 104), while the other
+    blocks still equal the reference."""
+    _require_kernel()
+    g = torch.Generator().manual_seed(11)
+    x, w, b, nw = _dev(*_inputs(2, 3, 128, 48, torch.float32, True, True, g))
+    ref = decode_linear_ref(x, w, b, nw, 1e-6)
+    with launch(True, 16, 16, split=4):
+        sync = _dl.new_sync(DEV)
+        got = [decode_linear(x, w, b, nw, 1e-6, sync=sync) for _ in range(2)]  # a second launch reuses the counts
+        assert all(_close(y, ref, torch.float32) for y in got) and not sync.any()
+        sync[0] = 100
+        stale = decode_linear(x, w, b, nw, 1e-6, sync=sync)
+    assert sync[0].item() == 104 and not sync[1:].any()
+    assert _close(stale[..., 16:], ref[..., 16:], torch.float32)  # the other column blocks met as they should
 
 
 def test_broken_epilogues_are_caught():
@@ -213,9 +240,10 @@ def test_rope_ref_is_llama_apply_rope():
 
 
 def test_ops_registered_and_functional():
+    """The ops mutate nothing but their split-K counters (`sync`), which they leave as they found them."""
     for name in ("decode_linear", "decode_gate_up", "decode_qkv_rope"):
         schema = str(getattr(torch.ops.spec_graph, name).default._schema)
-        assert "!" not in schema, schema
+        assert schema.count("!") == 1 and "!)? sync)" in schema and "=" not in schema, schema
     m = dict(device="meta")
     out = decode_qkv_rope(torch.empty(2, 5, 32, **m), torch.empty(96, 32, **m), None, torch.empty(32, **m), 1e-6,
                           torch.empty(2, 5, 16, **m), torch.empty(2, 5, 16, **m), 4, 16)
@@ -249,16 +277,21 @@ def _forward(model, fused: bool, monkeypatch, tokens, positions, cache, slots=No
         return model(tokens, positions, kc, vc, slots), kc, vc
 
 
-@pytest.mark.parametrize("dtype,bias,T,slotted", [(torch.float32, False, 5, False), (torch.float32, True, 3, False),
-                                                  (torch.bfloat16, False, 5, False), (torch.bfloat16, True, 1, False),
-                                                  (torch.float32, False, 3, True)])
-def test_fused_layers_equal_module_path(dtype, bias, T, slotted, monkeypatch):
+@pytest.mark.parametrize("dtype,bias,T,slotted,split", [
+    (torch.float32, False, 5, False, False), (torch.float32, True, 3, False, False),
+    (torch.bfloat16, False, 5, False, False), (torch.bfloat16, True, 1, False, False),
+    (torch.float32, False, 3, True, False), (torch.float32, True, 5, True, True),
+    (torch.bfloat16, False, 1, False, True)])
+def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, monkeypatch):
     """A verify (T=5: 10 rows) or draft forward (T=1, 3: 2 and 6 rows) of two batch rows at
     different lengths: logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
     broken (residual dropped) they do not. Slotted: the rows live in cache slots 2 and 0 of 3 (the k/v
-    writes follow `slots`; slot 1 stays as it was)."""
+    writes follow `slots`; slot 1 stays as it was). Split: every product split-K over 4 programs per column
+    block, through the model's shared counters (left at zero)."""
     _require_kernel()
     model = _layer_model(dtype, bias=bias)
+    if split:
+        monkeypatch.setattr(_dl, "LAUNCH", dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4))
     B, Lc = 2, 48
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (B, T), generator=g).to(DEV)
@@ -274,6 +307,7 @@ def test_fused_layers_equal_module_path(dtype, bias, T, slotted, monkeypatch):
     assert torch.allclose(gk.float(), wk.float(), **tol) and torch.allclose(gv.float(), wv.float(), **tol)
     if dtype == torch.float32:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert model.linear_sync.shape == (_dl.SYNC_SLOTS,) and not model.linear_sync.any()
 
     real = _dl.decode_linear_ref
     monkeypatch.setattr(_dl, "decode_linear_ref", lambda x, w, b=None, nw=None, eps=0.0, r=None: real(x, w, b, nw, eps))
@@ -402,19 +436,24 @@ from triton.compiler import ASTSource
 from spec_graph.kernels import decode_linear as dl
 
 itemsize = int(sys.argv[1])
+sms = 132 if itemsize == 4 else 0  # the control (2-byte tiles) unsplit: split launches take smaller tiles
 fn = dl._decode_linear_kernel
-out = {}
+out, splits = {}, []
 for mode, cols, K in ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLAIN, 4096, 14336)):
-    dot, bn, bk, warps, stages = dl.launch_config(4, cols, K, mode != dl.PLAIN, itemsize)
+    dot, bn, bk, warps, stages, split = dl.launch_config(4, cols, K, mode != dl.PLAIN, itemsize, sms,
+                                                         rope=mode == dl.ROPE)
+    splits.append(split)
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
-                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
+                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    sig = {n: ("constexpr" if n in const else "*fp32" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
+    sig = {n: ("constexpr" if n in const else "*i32" if n == "sync_ptr" else "*fp32" if n.endswith("_ptr")
+               else "fp32" if n == "eps" else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     out[mode] = k.metadata.shared
+assert max(splits) > 1 or not sms, splits  # the split-K path (atomics, barrier) compiles too
 print(json.dumps(out))
 """
 
@@ -422,7 +461,8 @@ print(json.dumps(out))
 def test_fp32_launches_fit_an_sm90s_shared_memory():
     """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration needs at
     most the 227 KiB of shared memory an H100/H200 program gets. The 2-byte configurations used for fp32 (the
-    control) need more, so an fp32 model would fail at its first decode step."""
+    control, unsplit) need more, so an fp32 model would fail at its first decode step. The fp32 qkv and
+    down_proj launches are split-K ones."""
     shared = {itemsize: run_compiled_script(_SMEM_SCRIPT, itemsize, skip_without_ptxas=True) for itemsize in (4, 2)}
     assert max(shared[4].values()) <= 232448, shared
     assert max(shared[2].values()) > 232448, shared

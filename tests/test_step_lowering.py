@@ -50,6 +50,12 @@ if variant == "permuted q":  # the control of the stride check: q reaches the at
     from spec_graph.models import llama  # tensor whose traced strides are not row-major
     attend = llama.decode_attention
     llama.decode_attention = lambda q, *a: attend((q.transpose(1, 2) * 1).transpose(1, 2), *a)
+if variant.startswith("split"):  # every product split-K over two programs per column block
+    decode_linear.LAUNCH.update(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
+if variant == "split, computed counters":  # the control of the counters check: a computed (not buffer) sync
+    from spec_graph.models import llama
+    fused = llama.DecoderLayer.forward_fused
+    llama.DecoderLayer.forward_fused = lambda self, *a: fused(self, *a[:-1], a[-1] * 1)
 mismatches = []
 root = Path(tempfile.mkdtemp())
 tok = build_tokenizer(96)
@@ -77,6 +83,8 @@ def read(scheduler, operations):
             out["cache index_put buffers"] += 1
         elif type(op).__name__ == "ComputedBuffer" and len(op.get_size()) == 5:  # a copy of a whole cache
             out["other cache-sized buffers"] += 1
+        elif type(op).__name__ == "ComputedBuffer" and list(op.get_size()) == [decode_linear.SYNC_SLOTS]:
+            out["split-K counter buffers"] += 1  # a copy of the counters: they must be the model's own
     out["stride mismatches"] = sorted(set(mismatches))
     raise Lowered(json.dumps(out))
 
@@ -130,6 +138,17 @@ def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
     assert got["stride mismatches"] == [], got
     control = _lowered("default layout")
     assert control["cos buffers"] >= forwards * layers, control
+
+
+def test_split_k_kernels_count_in_the_models_own_counters():
+    """Split-K launches mutate the model's counter buffer in place: the same kernels, and no buffer of counters
+    (a copy or a functional update of them) in the step. The control hands the kernels computed counters,
+    which inductor makes a buffer of."""
+    got = _lowered("split")
+    assert got["kernel _decode_linear_kernel"] == 5 * (4 * 3 + 1), got
+    assert got.get("split-K counter buffers", 0) == 0 and got.get("other cache-sized buffers", 0) == 0, got
+    assert got["stride mismatches"] == [], got
+    assert _lowered("split, computed counters")["split-K counter buffers"] > 0
 
 
 def test_kernel_inputs_keep_their_traced_strides():

@@ -10,6 +10,10 @@ the residual add in the epilogue. One kernel replaces a norm, a matmul and a poi
 
 - x: [..., H] with M = prod(leading dims) rows (M <= MAX_ROWS); w: [N, H] row-major (nn.Linear's);
   cos, sin: [..., D] broadcast per row as models/llama.py builds them.
+- sync (each op's last argument, None for none; the ops take every argument, as some torch versions drop a
+  trailing default before indexing the mutated ones): an int32 buffer of split-K counters (new_sync), zeros between
+  launches. With it a narrow product splits its K over several programs; without it each column block is one
+  program. Every launch on a stream may share one buffer.
 - Rounding follows the modules they replace in x's dtype: the norm rounds x * rstd, then norm_w * h; the
   matmul accumulates in fp32 and rounds once (bias added before); SiLU*up, RoPE and the residual add are
   computed in fp32 from the rounded matmul output and rounded once (as inductor fuses them).
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
+from .. import platform
 from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
@@ -32,7 +37,13 @@ CUDA_CORE_ROWS = 0  # up to this many rows the sums run on CUDA cores (measured 
 # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
 PLAIN, SILU_MUL, ROPE = 0, 1, 2
 FP32_BLOCK_K = 64  # fp32's K tile: at most about 50 KB of shared memory per program on sm90 (2 stages)
-# Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) for benchmarks and tests; empty: `launch_config`.
+MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
+SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
+SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
+SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
+SYNC_SLOTS = 1024  # split-K counters in a `sync` buffer: column blocks one launch can split
+# Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
+# `launch_config`.
 LAUNCH: dict = {}
 
 
@@ -192,11 +203,13 @@ def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
         M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
         kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl, svs, svh, svl, spb, spt,
+        ws_ptr, sync_ptr, K_SPLIT,
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr):
-    """Columns n of program pid: n = pid * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row block).
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
+    block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
         xn[m]   = x[m]                                             (no norm)
                 = rnd(nw * rnd(x[m] * rsqrt(mean_k x[m,k]^2 + eps)))  (norm; rnd: to x's dtype)
@@ -209,13 +222,18 @@ def _decode_linear_kernel(
     WRITE_KV (ROPE): row m = b * T + t; columns n < QC go to out [M, QC]; the k columns (QC .. ROPE_COLS) to
               k_cache[layer, slot_b, head, positions[b, t], :] and the v columns to v_cache likewise
               (k_off / v_off: the layer's offset; slot_b = slots[b], or b without slots)
+    SPLIT_K > 1 (split-K: more programs than column blocks, so that a narrow product still keeps every SM
+    reading): each program stores its fp32 partial sums to ws[s, m, n] (c's at n + N), then counts itself in
+    sync[column block]; the last of the SPLIT_K to arrive adds the partials in the order s = 0, 1, ... (the
+    same sums whichever arrives last), resets the count to 0 for the next launch and runs the epilogue.
     DOT: the sums on tensor cores (tl.dot; every block dim >= 16); else on CUDA cores, each thread keeping
     partial products over K until one reduction at the end (few rows: the weight tile is read once and
     multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading).
     """
     pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -233,7 +251,8 @@ def _decode_linear_kernel(
         acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
     wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = (pid % SPLIT_K) * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
@@ -252,6 +271,46 @@ def _decode_linear_kernel(
     if not DOT:
         acc_a = tl.sum(acc3_a, axis=2)
         acc_b = tl.sum(acc3_b, axis=2)
+    last = True
+    if SPLIT_K > 1:
+        acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
+                                        m_ok[:, None] & n_ok[None, :], M, N, MODE, SPLIT_K)
+    if last:
+        _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+                ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
+                svs, svh, svl, spb, spt, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
+
+
+@triton.jit
+def _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, s, offs_m, offs_n, mn_ok, M, N, MODE: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """Split-K's meeting point (see _decode_linear_kernel): (sums over all of K, whether this program is the
+    last of its column block to arrive)."""
+    ws = ws_ptr + (s * M + offs_m)[:, None] * (2 * N) + offs_n[None, :]
+    tl.store(ws, acc_a, mask=mn_ok)
+    if MODE != 0:
+        tl.store(ws + N, acc_b, mask=mn_ok)
+    tl.debug_barrier()  # every thread's partials are written before the count releases them
+    last = tl.atomic_add(sync_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        acc_a = tl.zeros(acc_a.shape, tl.float32)
+        acc_b = tl.zeros(acc_b.shape, tl.float32)
+        for i in tl.static_range(SPLIT_K):  # a fixed order: the sums do not depend on which program is last
+            wi = ws_ptr + (i * M + offs_m)[:, None] * (2 * N) + offs_n[None, :]
+            acc_a += tl.load(wi, mask=mn_ok, other=0.0, cache_modifier=".cg")
+            if MODE != 0:
+                acc_b += tl.load(wi + N, mask=mn_ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(sync_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    return acc_a, acc_b, last
+
+
+@triton.jit
+def _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+            ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
+            svs, svh, svl, spb, spt, MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
+            BLOCK_M: tl.constexpr):
+    """The cache rows of each query row (WRITE_KV), then the mode's epilogue."""
     if WRITE_KV:
         rb_ = offs_m // T
         pos = tl.load(pos_ptr + rb_ * spb + (offs_m % T) * spt, mask=m_ok, other=0).to(tl.int64)
@@ -270,16 +329,37 @@ def _decode_linear_kernel(
 
 
 # ------------------------------------------------------------------ launch
-def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2) -> tuple[bool, int, int, int, int]:
-    """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages) from static shapes: the best of a sweep on an H200
+def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2, sms: int = 0,
+                  rope: bool = False) -> tuple[bool, int, int, int, int, int]:
+    """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes: the best of a sweep on an H200
     (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows, for 2-byte dtypes. Up to
     CUDA_CORE_ROWS rows the sums run on CUDA cores (0: never; slower there), above on tensor cores. fp32
     (itemsize 4) takes smaller K tiles and 2 stages: its exact (no TF32) sums with the 2-byte tiles need up to
-    260 KB of shared memory for sm90, more than any GPU has."""
+    260 KB of shared memory for sm90, more than any GPU has.
+    Split-K (sms: the device's multiprocessors; 0: never) where the sweep found it faster: the qkv products
+    (rope) and products whose sums are long for their outputs (k >= 2 cols: down_proj), on small tiles
+    (SPLIT_TILES). o_proj, gate_up and the vocabulary heads measured slower or no faster split."""
     dot, block_n, block_k, warps, stages = _launch_config(rows, cols, k, paired)
+    split = 1
+    if "SPLIT_K" in LAUNCH:
+        split = LAUNCH["SPLIT_K"]
+    elif dot and sms and (rope or (not paired and k >= 2 * cols)):
+        split = split_k(triton.cdiv(cols, SPLIT_TILES[0]), k, SPLIT_TILES[1], sms)
+        if split > 1:
+            block_n, block_k = SPLIT_TILES
     if itemsize >= 4:
         block_k, stages = min(block_k, FP32_BLOCK_K), min(stages, 2)
-    return dot, block_n, block_k, warps, stages
+    return dot, block_n, block_k, warps, stages, split
+
+
+def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
+    """Programs per column block: the most (a power of two, at most MAX_SPLIT_K) that keep the grid within
+    SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with SPLIT_MIN_TILES K tiles or more to read."""
+    split = 1
+    while (split < MAX_SPLIT_K and blocks * split * 2 <= SPLIT_PROGRAMS_PER_SM * sms
+           and k >= 2 * split * SPLIT_MIN_TILES * block_k):
+        split *= 2
+    return split
 
 
 def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
@@ -305,9 +385,14 @@ def fused_rows_ok(x: torch.Tensor) -> bool:
     return bool(statically_known_true(x.numel() // max(x.shape[-1], 1) <= MAX_ROWS))
 
 
-def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None):
+def new_sync(device=None) -> torch.Tensor:
+    """A split-K counter buffer for the ops' `sync` argument: zeros, and each launch leaves it zeros."""
+    return torch.zeros(SYNC_SLOTS, dtype=torch.int32, device=device)
+
+
+def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None, sync=None):
     """kv: (k_cache, v_cache, layer, slots, positions, q_cols) to write k and v into the caches (ROPE only);
-    out then holds the q columns alone."""
+    out then holds the q columns alone. sync: split-K's counters (new_sync), or None for no split."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -325,8 +410,16 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     c2 = cos.reshape(M, -1).contiguous() if cos is not None else out
     s2 = sin.reshape(M, -1).contiguous() if sin is not None else out
     rows = M if isinstance(M, int) else MAX_ROWS  # a symbolic M (<= MAX_ROWS) gets the tile of the most rows
-    dot, block_n, block_k, warps, stages = launch_config(rows, n_prog, K, mode != PLAIN, x.element_size())
-    grid = (triton.cdiv(n_prog, block_n),)
+    sms = platform.multiprocessors(x.device) if sync is not None else 0
+    dot, block_n, block_k, warps, stages, split = launch_config(rows, n_prog, K, mode != PLAIN, x.element_size(),
+                                                                sms, rope=mode == ROPE)
+    blocks = triton.cdiv(n_prog, block_n)
+    if sync is None or blocks > sync.numel():
+        split = 1
+    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    split = triton.cdiv(K, k_split)  # no program without K tiles
+    ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    grid = (blocks * split,)
     if kv is None:
         kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         slots = None
@@ -338,44 +431,44 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
-        *kv_args,
+        *kv_args, ws, sync if split > 1 else ws, k_split,
         MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, SPLIT_K=split)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-@torch.library.triton_op("spec_graph::decode_linear", mutates_args=())
-def _decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
-                      norm_w: Optional[torch.Tensor] = None, eps: float = 0.0,
-                      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+@torch.library.triton_op("spec_graph::decode_linear", mutates_args=("sync",))
+def _decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
+                      eps: float, residual: Optional[torch.Tensor], sync: Optional[torch.Tensor]) -> torch.Tensor:
     if not use_kernel(_decode_linear_kernel, x):
         return decode_linear_ref(x, w, b, norm_w, eps, residual)
     N = w.shape[0]
-    return _launch(PLAIN, x, w, b, norm_w, eps, residual, None, None, 0, 1, N, N)
+    return _launch(PLAIN, x, w, b, norm_w, eps, residual, None, None, 0, 1, N, N, sync=sync)
 
 
-@torch.library.triton_op("spec_graph::decode_gate_up", mutates_args=())
-def _decode_gate_up_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
-                       norm_w: Optional[torch.Tensor] = None, eps: float = 0.0) -> torch.Tensor:
+@torch.library.triton_op("spec_graph::decode_gate_up", mutates_args=("sync",))
+def _decode_gate_up_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
+                       eps: float, sync: Optional[torch.Tensor]) -> torch.Tensor:
     if not use_kernel(_decode_linear_kernel, x):
         return decode_gate_up_ref(x, w, b, norm_w, eps)
     inter = w.shape[0] // 2
-    return _launch(SILU_MUL, x, w, b, norm_w, eps, None, None, None, 0, 1, inter, inter)
+    return _launch(SILU_MUL, x, w, b, norm_w, eps, None, None, None, 0, 1, inter, inter, sync=sync)
 
 
-@torch.library.triton_op("spec_graph::decode_qkv_rope", mutates_args=())
+@torch.library.triton_op("spec_graph::decode_qkv_rope", mutates_args=("sync",))
 def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
                         eps: float, cos: torch.Tensor, sin: torch.Tensor, rope_heads: int,
-                        head_dim: int) -> torch.Tensor:
+                        head_dim: int, sync: Optional[torch.Tensor]) -> torch.Tensor:
     if not use_kernel(_decode_linear_kernel, x):
         return decode_qkv_rope_ref(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim)
     N = w.shape[0]
     if head_dim % 2 or N % head_dim:
         raise ValueError(f"decode_qkv_rope needs an even head_dim dividing the output width (N={N}, D={head_dim})")
-    return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, rope_heads * head_dim, head_dim // 2, N, N // 2)
+    return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, rope_heads * head_dim, head_dim // 2, N, N // 2,
+                   sync=sync)
 
 
 def write_kv_ref(k_cache, v_cache, layer: int, slots, positions, k, v) -> None:
@@ -389,11 +482,12 @@ def write_kv_ref(k_cache, v_cache, layer: int, slots, positions, k, v) -> None:
     v_cache.index_put_(idx, v)
 
 
-@torch.library.triton_op("spec_graph::decode_qkv_rope_cache", mutates_args=("k_cache", "v_cache"))
+@torch.library.triton_op("spec_graph::decode_qkv_rope_cache", mutates_args=("k_cache", "v_cache", "sync"))
 def _decode_qkv_rope_cache_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                               norm_w: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor,
                               n_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                              slots: Optional[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+                              slots: Optional[torch.Tensor], positions: torch.Tensor,
+                              sync: Optional[torch.Tensor]) -> torch.Tensor:
     n_kv = k_cache.shape[2]
     q_cols = n_heads * head_dim
     if not use_kernel(_decode_linear_kernel, x):
@@ -409,28 +503,30 @@ def _decode_qkv_rope_cache_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torc
                          f"and caches with a unit last stride (N={N}, D={head_dim}, heads {n_heads}/{n_kv})")
     return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, (n_heads + n_kv) * head_dim, head_dim // 2, N, N // 2,
                    kv=(k_cache, v_cache, layer, slots if slots is None else slots.contiguous(),
-                       positions.contiguous(), q_cols))
+                       positions.contiguous(), q_cols), sync=sync)
 
 
 def decode_qkv_rope_cache(x, w, b, norm_w, eps: float, cos, sin, n_heads: int, head_dim: int, k_cache, v_cache,
-                          layer: int, slots, positions) -> torch.Tensor:
+                          layer: int, slots, positions, sync=None) -> torch.Tensor:
     """decode_qkv_rope whose k and v go straight into the caches (op `spec_graph::decode_qkv_rope_cache`): x is
     [B, T, H]; writes k_cache / v_cache [layer, slot, head, positions[b, t], :] and returns q [B, T, n_heads * D]."""
     return torch.ops.spec_graph.decode_qkv_rope_cache(x, w, b, norm_w, float(eps), cos, sin, int(n_heads),
-                                                      int(head_dim), k_cache, v_cache, int(layer), slots, positions)
+                                                      int(head_dim), k_cache, v_cache, int(layer), slots, positions,
+                                                      sync)
 
 
-def decode_linear(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None) -> torch.Tensor:
+def decode_linear(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None, sync=None) -> torch.Tensor:
     """residual + rmsnorm(x) @ w.T + b for a few rows (op `spec_graph::decode_linear`; see the module docstring)."""
-    return torch.ops.spec_graph.decode_linear(x, w, b, norm_w, float(eps), residual)
+    return torch.ops.spec_graph.decode_linear(x, w, b, norm_w, float(eps), residual, sync)
 
 
-def decode_gate_up(x, w, b=None, norm_w=None, eps: float = 0.0) -> torch.Tensor:
+def decode_gate_up(x, w, b=None, norm_w=None, eps: float = 0.0, sync=None) -> torch.Tensor:
     """silu(gate) * up of rmsnorm(x) @ w.T + b, w = [gate; up] (op `spec_graph::decode_gate_up`)."""
-    return torch.ops.spec_graph.decode_gate_up(x, w, b, norm_w, float(eps))
+    return torch.ops.spec_graph.decode_gate_up(x, w, b, norm_w, float(eps), sync)
 
 
-def decode_qkv_rope(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head_dim: int) -> torch.Tensor:
+def decode_qkv_rope(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head_dim: int,
+                    sync=None) -> torch.Tensor:
     """rmsnorm(x) @ w.T + b with RoPE on the first `rope_heads` heads (op `spec_graph::decode_qkv_rope`)."""
     return torch.ops.spec_graph.decode_qkv_rope(x, w, b, norm_w, float(eps), cos, sin, int(rope_heads),
-                                                int(head_dim))
+                                                int(head_dim), sync)

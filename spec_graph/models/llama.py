@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention
-from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok,
+from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok, new_sync,
                                      rms_norm_ref, rope_ref)
 from .config import ModelArgs
 
@@ -156,26 +156,27 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.fused = None  # None: FUSED_LAYERS decides; Transformer.fused_layers sets it per model
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
         fused = FUSED_LAYERS if self.fused is None else self.fused
         if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x)
                 and platform.use_fused_linear(x.device) and fused_rows_ok(x)):
-            return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots)
+            return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots, sync)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots):
-        """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in."""
+    def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
+        """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in
+        (sync: split-K counters, kernels/decode_linear.py's new_sync)."""
         B, T, _ = x.shape
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         q = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
                                   sin[:, :, 0], attn.n_heads, attn.head_dim, k_cache, v_cache, attn.layer,
-                                  slots, positions)
+                                  slots, positions, sync)
         out = decode_attention(q.view(B, T, attn.n_heads, attn.head_dim), k_cache, v_cache, attn.layer, slots,
                                positions, attn.window)
-        x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x)
-        h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps)
-        return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+        x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x, sync=sync)
+        h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps, sync=sync)
+        return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x, sync=sync)
 
 
 class Backbone(nn.Module):
@@ -200,6 +201,8 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # split-K counters of the fused linear kernels, shared by every layer (each launch leaves them zero)
+        self.register_buffer("linear_sync", new_sync(), persistent=False)
 
     @property
     def fused_layers(self):
@@ -225,10 +228,11 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, k_cache, v_cache, slots)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
         if (fused and self.model.layers[0].self_attn.uses_decode_attention(x) and platform.use_fused_linear(x.device)
                 and fused_rows_ok(x)):
-            return decode_linear(x, w, None, self.model.norm.weight, self.model.norm.eps).float()
+            norm = self.model.norm
+            return decode_linear(x, w, None, norm.weight, norm.eps, sync=self.linear_sync).float()
         return F.linear(self.model.norm(x), w).float()

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
+from ..kernels.decode_linear import new_sync
 from .llama import Transformer, rope_inv_freq
 
 DTYPES = {
@@ -132,4 +133,5 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
                for name, parts in layout.items()}
     model.load_state_dict(weights, assign=True)
     model.inv_freq = rope_inv_freq(args).to(device)
+    model.linear_sync = new_sync(device)
     return model.eval().requires_grad_(False)
