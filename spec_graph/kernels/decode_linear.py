@@ -1,11 +1,11 @@
 """Fused linear layers for decode and verify forwards (few rows): RMSNorm in the prologue, RoPE, SiLU*up or
 the residual add in the epilogue. One kernel replaces a norm, a matmul and a pointwise kernel of the layer.
 
-    decode_linear(x, w, b=None, norm_w=None, eps=0.0, residual=None)  -> [..., N]
+    decode_linear(x, w, b=None, norm_w=None, eps=0.0, residual=None, sync=None)  -> [..., N]
         y = residual + rmsnorm(x) @ w.T + b           (each part optional)
-    decode_gate_up(x, w, b=None, norm_w=None, eps=0.0)                 -> [..., I], w: [2I, H]
+    decode_gate_up(x, w, b=None, norm_w=None, eps=0.0, sync=None)                 -> [..., I], w: [2I, H]
         g, u = split(rmsnorm(x) @ w.T + b);  y = silu(g) * u
-    decode_qkv_rope(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim) -> [..., N]
+    decode_qkv_rope(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim, sync=None) -> [..., N]
         y = rmsnorm(x) @ w.T + b, then rotate-half RoPE on the first rope_heads heads of head_dim columns
 
 - x: [..., H] with M = prod(leading dims) rows (M <= MAX_ROWS); w: [N, H] row-major (nn.Linear's);
@@ -354,7 +354,8 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
 
 def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
     """Programs per column block: the most (a power of two, at most MAX_SPLIT_K) that keep the grid within
-    SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with SPLIT_MIN_TILES K tiles or more to read."""
+    SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with SPLIT_MIN_TILES K tiles or more to read.
+    (_launch rounds each program's K range up to whole tiles, which can leave fewer programs.)"""
     split = 1
     while (split < MAX_SPLIT_K and blocks * split * 2 <= SPLIT_PROGRAMS_PER_SM * sms
            and k >= 2 * split * SPLIT_MIN_TILES * block_k):
