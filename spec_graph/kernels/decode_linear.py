@@ -145,7 +145,7 @@ def _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM: tl.const
 
 @triton.jit
 def _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
-              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, QC, skh, svh,
+              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, kv_m_ok, QC, skh, svh,
               MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
               WRITE_KV: tl.constexpr, UPCAST: tl.constexpr):
     """Bias, rounding, then the mode's epilogue on fp32 sums [BLOCK_M, BLOCK_N] (see _decode_linear_kernel)."""
@@ -175,34 +175,36 @@ def _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr,
         ya = _rnd(tl.where(rot, a * cos_a - c * sin_a, a), dt, UPCAST).to(dt)
         yb = _rnd(tl.where(rot, c * cos_b + a * sin_b, c), dt, UPCAST).to(dt)
         if WRITE_KV:  # q to out ([M, QC]); k and v columns into the caches at each row's slot and position
-            _store_qkv(ya, ra, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS, skh, svh,
-                       2 * HALF)
-            _store_qkv(yb, rb, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS, skh, svh,
-                       2 * HALF)
+            kv_ok = kv_m_ok[:, None] & n_ok[None, :]
+            _store_qkv(ya, ra, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS,
+                       skh, svh, 2 * HALF)
+            _store_qkv(yb, rb, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, ROPE_COLS,
+                       skh, svh, 2 * HALF)
         else:
             tl.store(out_ptr + offs_m[:, None] * som + ra[None, :], ya, mask=mn_ok)
             tl.store(out_ptr + offs_m[:, None] * som + rb[None, :], yb, mask=mn_ok)
 
 
 @triton.jit
-def _store_qkv(y, col, offs_m, mn_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, KC_END, skh, svh, D):
+def _store_qkv(y, col, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k, row_v, QC, KC_END, skh, svh, D):
     """Columns col of y [BLOCK_M, BLOCK_N]: q (col < QC) to out[m, col]; k (QC <= col < KC_END) to the key cache
-    at row_k[m] + head * skh + dim, v (col >= KC_END) to the value cache likewise (head dim stride 1)."""
+    at row_k[m] + head * skh + dim, v (col >= KC_END) to the value cache likewise (head dim stride 1); k and v
+    only where kv_ok (a position inside the cache)."""
     is_q = col < QC
     is_k = (col >= QC) & (col < KC_END)
     kcol = tl.where(is_k, col - QC, 0)
     vcol = tl.where(col >= KC_END, col - KC_END, 0)
     tl.store(out_ptr + offs_m[:, None] * som + col[None, :], y, mask=mn_ok & is_q[None, :])
-    tl.store(kc_ptr + row_k[:, None] + ((kcol // D) * skh + kcol % D)[None, :], y, mask=mn_ok & is_k[None, :])
+    tl.store(kc_ptr + row_k[:, None] + ((kcol // D) * skh + kcol % D)[None, :], y, mask=kv_ok & is_k[None, :])
     tl.store(vc_ptr + row_v[:, None] + ((vcol // D) * svh + vcol % D)[None, :], y,
-             mask=mn_ok & (col >= KC_END)[None, :])
+             mask=kv_ok & (col >= KC_END)[None, :])
 
 
 @triton.jit
 def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
         M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
-        kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl, svs, svh, svl, spb, spt,
+        kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl, svs, svh, svl, spb, spt, LC,
         ws_ptr, sync_ptr, K_SPLIT,
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
@@ -221,7 +223,8 @@ def _decode_linear_kernel(
               other heads: out[m, ra] = a, out[m, rb] = c
     WRITE_KV (ROPE): row m = b * T + t; columns n < QC go to out [M, QC]; the k columns (QC .. ROPE_COLS) to
               k_cache[layer, slot_b, head, positions[b, t], :] and the v columns to v_cache likewise
-              (k_off / v_off: the layer's offset; slot_b = slots[b], or b without slots)
+              (k_off / v_off: the layer's offset; slot_b = slots[b], or b without slots); a position outside
+              [0, LC) writes nothing (the caches of other rows stay intact)
     SPLIT_K > 1 (split-K: more programs than column blocks, so that a narrow product still keeps every SM
     reading): each program stores its fp32 partial sums to ws[s, m, n] (c's at n + N), then counts itself in
     sync[column block]; the last of the SPLIT_K to arrive adds the partials in the order s = 0, 1, ... (the
@@ -278,7 +281,7 @@ def _decode_linear_kernel(
     if last:
         _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
                 ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
-                svs, svh, svl, spb, spt, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
+                svs, svh, svl, spb, spt, LC, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
 
 
 @triton.jit
@@ -307,7 +310,7 @@ def _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, s, offs_m, offs_n, mn_ok, 
 @triton.jit
 def _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
             ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
-            svs, svh, svl, spb, spt, MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+            svs, svh, svl, spb, spt, LC, MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
             HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
             BLOCK_M: tl.constexpr):
     """The cache rows of each query row (WRITE_KV), then the mode's epilogue."""
@@ -320,11 +323,13 @@ def _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, c
             slot = rb_.to(tl.int64)
         row_k = k_off + slot * sks + pos * skl
         row_v = v_off + slot * svs + pos * svl
+        kv_m_ok = m_ok & (pos >= 0) & (pos < LC)
     else:
         row_k = tl.zeros([BLOCK_M], tl.int64)
         row_v = row_k
+        kv_m_ok = m_ok
     _epilogue(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
-              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, QC, skh, svh,
+              ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, row_k, row_v, kv_m_ok, QC, skh, svh,
               MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, UPCAST)
 
 
@@ -422,13 +427,14 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
     if kv is None:
-        kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         slots = None
     else:
         kc, vc, layer, slots, pos, q_cols = kv
         sk, sv = kc.stride(), vc.stride()
         kv_args = (kc, vc, pos, slots if slots is not None else pos, x.shape[-2], q_cols, layer * sk[0],
-                   layer * sv[0], sk[1], sk[2], sk[3], sv[1], sv[2], sv[3], pos.stride(0), pos.stride(1))
+                   layer * sv[0], sk[1], sk[2], sk[3], sv[1], sv[2], sv[3], pos.stride(0), pos.stride(1),
+                   kc.shape[3])
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
