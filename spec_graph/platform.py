@@ -66,7 +66,7 @@ class Platform:
             except Exception:
                 return 40
         if self.name == "cuda":
-            return min(DEFAULT_MAX_PROGRAMS, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
+            return min(DEFAULT_MAX_PROGRAMS, 4 * multiprocessors(self.device))
         return DEFAULT_MAX_PROGRAMS
 
     # ---- static graphs (CUDA graph / ACL graph); the only place that names them
