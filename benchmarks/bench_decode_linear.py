@@ -77,72 +77,15 @@ def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
     return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
 
 
-def chain(cfg: dict, M: int, dev, dt, sync):
-    """A callable running every layer's four fused products in order, each reading the one before (a decode
-    forward without attention: q's first H columns stand in for attention's output), and its output."""
-    torch.manual_seed(0)
-    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D = H // Hq
-
-    def w(n, k):
-        return torch.randn(n, k, device=dev, dtype=dt) / k**0.5
-
-    layers = [(w((Hq + 2 * Hkv) * D, H), w(H, Hq * D), w(2 * I, H), w(H, I)) for _ in range(L)]
-    nw = torch.ones(H, device=dev, dtype=dt)
-    cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
-    x0 = torch.randn(M, H, device=dev, dtype=dt)
-    out = torch.empty_like(x0)
-
-    def run():
-        h = x0
-        for qkv, o, gate_up, down in layers:
-            q = dl.decode_qkv_rope(h, qkv, None, nw, 1e-6, cos, sin, Hq + Hkv, D, sync=sync)
-            h = dl.decode_linear(q[:, :Hq * D], o, residual=h, sync=sync)
-            g = dl.decode_gate_up(h, gate_up, None, nw, 1e-6, sync=sync)
-            h = dl.decode_linear(g, down, residual=h, sync=sync)
-        out.copy_(h)
-    return run, out
-
-
-def run_chain(plat, rows: str) -> None:
-    """Each model's products chained through its layers, with programmatic dependent launch off / on."""
-    dev, dt = plat.device, torch.bfloat16
-    sync = dl.new_sync(dev)
-    print("| model | M | PDL | KPRE | us per forward (linear kernels only) | max abs diff vs the first |")
-    print("|---|---|---|---|---|---|")
-    for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
-        for M in (int(m) for m in rows.split(",")):
-            fn, out = chain(cfg, M, dev, dt, sync)
-            ref = None
-            for mode, kpre in ((0, 0), (0, 64), (0, 128), (0, 256), (2, 0), (2, 64), (2, 128), (2, 256), (4, 256)):
-                dl.PDL, dl.KPRE = mode, kpre
-                try:
-                    replay, _ = graphed(plat, fn)
-                    t = bs.median_ms(replay, 20, warmup=3)
-                    replay()
-                    plat.synchronize()
-                    got = out.clone()
-                finally:
-                    dl.PDL = dl.KPRE = 0
-                ref = got if ref is None else ref
-                diff = (got.float() - ref.float()).abs().max().item()
-                print(f"| {model} | {M} | {mode} | {kpre} | {t * 1e3:.1f} | {diff:.3g} |", flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5,8,16")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
     ap.add_argument("--sweep-rows", default="1", help="row counts the sweep covers")
-    ap.add_argument("--chain", action="store_true",
-                    help="time each model's products chained through its layers, with PDL 0 / 1 / 2, and stop")
     a = ap.parse_args()
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
-    if a.chain:
-        return run_chain(plat, a.rows)
     import triton
 
     dev, dt = plat.device, torch.bfloat16

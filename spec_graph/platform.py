@@ -176,16 +176,5 @@ def multiprocessors(device: torch.device) -> int:
     return CPU_SMS
 
 
-def pdl_launch(device: torch.device) -> bool:
-    """Whether a Triton kernel launched now on `device` can take programmatic dependent launch: a CUDA GPU of
-    compute capability 9 or more, launched by Triton itself (an op's eager body, as under graph capture); a
-    launch that torch.compile or torch.export traces (torch.library.wrap_triton's) takes no launch options."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from torch._library.triton import is_wrap_triton_enabled
-
-    return not is_wrap_triton_enabled()
-
-
 def max_programs(device: torch.device) -> int:
     return get(device).max_programs() if device.type != "cpu" else DEFAULT_MAX_PROGRAMS

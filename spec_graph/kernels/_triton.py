@@ -8,10 +8,6 @@ try:
     import triton.language as tl
 
     HAS_TRITON = True
-    try:  # grid dependency control (programmatic dependent launch, sm90+)
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # pragma: no cover - a Triton without it never launches with PDL
-        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - exercised by a subprocess test
     import logging
 
@@ -34,6 +30,5 @@ except ImportError:  # pragma: no cover - exercised by a subprocess test
             raise RuntimeError(f"triton.{name} is needed but Triton is not installed (pip install triton)")
 
     triton = tl = _Missing()
-    gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["HAS_TRITON", "gdc_launch_dependents", "gdc_wait", "triton", "tl"]
+__all__ = ["HAS_TRITON", "triton", "tl"]

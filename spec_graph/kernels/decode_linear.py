@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from ._triton import gdc_launch_dependents, gdc_wait, tl, triton
+from ._triton import tl, triton
 
 from .. import platform
 from .rng import block_for, use_kernel, wrap_triton
@@ -42,11 +42,6 @@ SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
 SYNC_SLOTS = 1024  # split-K counters in a `sync` buffer: column blocks one launch can split
-# Programmatic dependent launch on CUDA sm90+ (eager launches, e.g. inside a captured graph): 0 off; 1 each
-# kernel launches early and waits for the previous one's end (gdc_wait) before reading its inputs; 2 also reads
-# ahead its weight rows into L2 before the wait.
-PDL = 0
-KPRE = 0  # weight columns each program loads first, before the reads that wait on x (0: none)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}
@@ -214,7 +209,7 @@ def _decode_linear_kernel(
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, KPRE: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -246,25 +241,6 @@ def _decode_linear_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     ra, rb, d = _pair_rows(offs_n, N, MODE, HALF)
-    k_lo = (pid % SPLIT_K) * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
-    wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
-    if KPRE > 0:  # the first KPRE columns of the weight rows, loaded before anything that waits on x
-        offs_p = k_lo + tl.arange(0, KPRE)
-        p_ok = offs_p < k_hi
-        wpa = tl.load(wa_ptr + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        if MODE != 0:
-            wpb = tl.load(wb_ptr + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-    if PDL > 0:  # launched early: nothing before the wait reads what the previous kernel writes, or writes
-        if PDL == 3:
-            k_n = tl.minimum(K_SPLIT, K - k_lo)
-            _prefetch_l2(w_ptr, ra, n_ok, swn, k_lo, k_n)
-            if MODE != 0:
-                _prefetch_l2(w_ptr, rb, n_ok, swn, k_lo, k_n)
-        gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
     if HAS_NORM:
         rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K)
     else:
@@ -276,14 +252,10 @@ def _decode_linear_kernel(
     else:
         acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    k_start = k_lo
-    if KPRE > 0:  # DOT only
-        xp = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, offs_p, p_ok, sxm, rstd, HAS_NORM, UPCAST)
-        acc_a += _dot_t(xp, wpa, IEEE, UPCAST)
-        if MODE != 0:
-            acc_b += _dot_t(xp, wpb, IEEE, UPCAST)
-        k_start = k_lo + KPRE
-    for k0 in range(k_start, k_hi, BLOCK_K):
+    wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
+    wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
+    k_lo = (pid % SPLIT_K) * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
@@ -302,8 +274,6 @@ def _decode_linear_kernel(
     if not DOT:
         acc_a = tl.sum(acc3_a, axis=2)
         acc_b = tl.sum(acc3_b, axis=2)
-    if PDL == 2 or PDL == 3:
-        gdc_launch_dependents()
     last = True
     if SPLIT_K > 1:
         acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
@@ -312,18 +282,6 @@ def _decode_linear_kernel(
         _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
                 ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
                 svs, svh, svl, spb, spt, LC, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, ok, swn, k_lo, k_n):
-    """Bulk L2 prefetch of w[row, k_lo : k_lo + k_n] for each row (rows where not ok: row 0's first bytes);
-    16-byte aligned (the launcher checks the base and row stride), k_n rounded down to 16 bytes."""
-    esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    whole = ok & (k_n * esize >= 16)  # else 16 bytes from the row's start (a row holds 16 bytes or more)
-    start = w_ptr + tl.where(ok, rows.to(tl.int64) * swn, 0) + tl.where(whole, k_lo, 0)
-    nbytes = tl.where(whole, (k_n * esize) // 16 * 16, 16).to(tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-                              [start, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -468,10 +426,6 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     split = triton.cdiv(K, k_split)  # no program without K tiles
     ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
-    pdl = PDL if platform.pdl_launch(x.device) else 0
-    kpre = min(KPRE, triton.next_power_of_2(k_split)) if dot and KPRE else 0
-    if pdl == 3 and (w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16 or K * w.element_size() < 16):
-        pdl = 1  # the bulk prefetch needs 16-byte aligned rows
     if kv is None:
         kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         slots = None
@@ -489,7 +443,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, SPLIT_K=split, PDL=pdl, KPRE=kpre, **({"launch_pdl": True} if pdl else {}))
+        num_stages=stages, SPLIT_K=split)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
