@@ -2,7 +2,7 @@
 
     python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
         [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--repeats 3]
-        [--pin-in-auto] [--chooser-variants 0.85+0.09,0.9] [--device cuda] [--out benchmarks/RESULTS.md]
+        [--pin-in-auto] [--chooser-variants 0.85,0.95-h] [--device cuda] [--out benchmarks/RESULTS.md]
 
 Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
 training window):
@@ -14,7 +14,8 @@ One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewe
 batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine instead, its choice pinned to
 each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run).
 --chooser-variants runs auto's greedy workloads again with other choosers on the same graphs: another decay
-per row-step, and a host time per replay added to every K's step time (sim_adaptive.py's "+h").
+per row-step, and a host time per replay added to every K's step time ("+ms"), or the engine's own measured
+host time taken off it ("-h": the table of the replays alone).
 
 A B=1 engine runs its prompts one after another inside one generate call, so "auto" carries what it learnt
 from request to request. Greedy at each fixed K of --k-set and at K="auto" (max_speculative_tokens = the
@@ -106,7 +107,8 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
 def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0):
     """The auto engine's chooser replaced, for the calls inside: one that always picks K=`pin` (it still reads the
     counters; the engine then runs its own K graph, as a fixed-K engine would, with no compile of its own), or one
-    with another decay and `host_ms` added to every K's step time (a chooser variant on the same graphs)."""
+    with another decay and `host_ms` added to every K's step time (negative: taken off; a chooser variant on the
+    same graphs)."""
     real = sg_runtime.KChooser
 
     class Variant(real):
@@ -125,12 +127,17 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
         sg_runtime.KChooser = real
 
 
-def chooser_variants(spec: str) -> list[tuple[float, float]]:
-    """"0.85,0.9+0.09" -> [(0.85, 0.0), (0.9, 0.09)]: decay per row-step, then + host ms per replay."""
+def chooser_variants(spec: str) -> list[tuple[str, float, float | None]]:
+    """"0.85,0.9+0.09,0.95-h" -> [("0.85", 0.85, 0.0), ("0.9+0.09", 0.9, 0.09), ("0.95-h", 0.95, None)]: the
+    decay per row-step, then host ms per replay added to the engine's step times; "-h": without the host time
+    the engine measured (None)."""
     out = []
     for item in (x for x in spec.split(",") if x):
+        if item.endswith("-h"):
+            out.append((item, float(item[:-2]), None))
+            continue
         decay, _, host = item.partition("+")
-        out.append((float(decay), float(host or 0.0)))
+        out.append((item, float(decay), float(host or 0.0)))
     return out
 
 
@@ -170,8 +177,10 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         caps.append(f"{mode} {time.time() - t1:.1f} s")
         runs = [(k, {})]
         if k == AUTO and mode == "greedy":
-            runs += [(f"auto d={d}" + (f"+{h}ms" if h else ""), dict(decay=d, host_ms=h))
-                     for d, h in chooser_variants(a.chooser_variants)]
+            # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
+            own_ms = 1e3 * dec.host_times.get((True, B), 0.0) / a.steps_per_graph
+            runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h))
+                     for name, d, h in chooser_variants(a.chooser_variants)]
             runs += [(pin, dict(pin=pin)) for pin in (a.k_set if a.pin_in_auto and not a.skip_fixed else [])]
         # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that
         # a drift of the machine over the minutes they take falls on all of them alike.
@@ -197,6 +206,8 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         line += "; step ms at length 128: " + ", ".join(
             f"B={b} K={kk} {1e3 * (t[0] + 128 * t[1] if isinstance(t, tuple) else t):.3f}"
             for (g, b, kk), t in sorted(dec.step_times.items(), key=str) if g)
+        line += "; host ms per replay: " + ", ".join(f"B={b} {1e3 * t:.3f}"
+                                                     for (g, b), t in sorted(dec.host_times.items()) if g)
     notes.append(line + f"; engine total {time.time() - t0:.1f} s")
     progress(f"engine B={B} K={k} {verification} done in {time.time() - t0:.1f} s")
     del dec
@@ -299,7 +310,7 @@ def parse_args():
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--chooser-variants", default="",
                     help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
-                         "replay], comma-separated (e.g. 0.85+0.09,0.9); the same graphs, no compile")
+                         "replay | -h], comma-separated (e.g. 0.85+0.09,0.9,0.95-h); the same graphs, no compile")
     ap.add_argument("--pin-in-auto", action="store_true",
                     help="run each fixed K in the auto engine with its choice pinned (one compile for all K)")
     ap.add_argument("--repeats", type=int, default=3)

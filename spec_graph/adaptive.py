@@ -7,7 +7,9 @@ drafts a row commits, in expectation,
     E(K) = 1 + sum_{j=1..K} prod_{i<=j} a_i      (the accepted prefix + the correction or bonus token)
 
 tokens per step, and a step of K drafts over the batch bucket takes ``t(K)``
-(measured once, when the graphs are captured). The chooser picks
+(measured once, when the graphs are captured: the replay, plus the host's
+read and choice after it, which the next replay waits for; step_times.py).
+The chooser picks
 ``argmax_K E(K) / t(K)`` (the smaller K on a tie). Counts come from the device
 in the one read the engine makes per replay anyway, so choosing costs no host
 sync. Nothing here is random: under a seed (and a fixed time table) the
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-# Weight of the past per row-step observed: about the last 1 / (1 - DECAY) row-steps count (a few replays of a
-# full batch, a fraction of one request alone), so a new kind of prompt moves K soon while one unlucky step does
-# not; per row-step, not per replay, so that one row's steps are not read as noisily as eight rows'.
-DECAY = 0.95
+# Weight of the past per row-step observed: about the last 1 / (1 - DECAY) row-steps count (about one replay of
+# a full batch of 8, a few of one request alone), so a new kind of prompt moves K soon while one unlucky step does
+# not; per row-step, not per replay, so that one row's steps are not read as noisily as eight rows'. (0.85 led
+# 0.9 and 0.95 on the H200 at B=1 and B=8, with the host's time per replay in the step times.)
+DECAY = 0.85
 # Before anything is seen, position 1 is assumed accepted this often; a position not seen lately (K stayed
 # below it) falls back to the rate of the one before it, so the estimate of deep positions follows the first.
 PRIOR_RATE = 0.6

@@ -22,21 +22,19 @@ from typing import Sequence
 
 import torch
 
-from . import platform as _platform
 from .adaptive import KChooser
 from .capture import GraphSet
 from .config import SpecGraphConfig, check_window
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
+from .step_times import StepTimes
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
 MAX_STOP_IDS = 64
 # Prefills of at most this many positions (rows x padded length) replay a graph: short ones are bound by
 # kernel launches on the host, long ones by the device.
 PREFILL_GRAPH_TOKENS = 512
-# "auto" times each K's step at a short and at this live length (or max_len / 2 if shorter), and interpolates
-TIME_LENGTH = 1024
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -102,7 +100,7 @@ def load_tokenizer(path: str):
                          "or remove it and pass prompts as token ids") from None
 
 
-class DecoderBase:
+class DecoderBase(StepTimes):
     """Request slots and the step loop over static buffers; subclasses supply the forwards.
 
     A subclass implements ``_new_kv_caches(rows, cache_len) -> (target_kv, draft_kv)``,
@@ -155,6 +153,9 @@ class DecoderBase:
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
         self.step_times: dict = {}
         self._timed: set = set()  # the step_times entries measured here
+        # and {(greedy, bucket): seconds}: the host's own work per replay (the device read and the choice, which
+        # wait for the replay's end), added once per replay to every K's steps; measured where the steps are
+        self.host_times: dict = {}
         self.k_counts = torch.zeros(2 * self.K, dtype=torch.long, device=dev)
         self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
@@ -318,56 +319,6 @@ class DecoderBase:
                 self._time_steps(greedy)
         self._captured_modes.add(greedy)
 
-    def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
-        """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
-        rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
-        at two lengths (one where attention covers the whole cache anyway), then the state is put back (no
-        request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
-        Fixed from here on: the chooser stays deterministic."""
-        plat, N, st = self.platform, self.config.steps_per_graph, self.state
-        lo = 16
-        hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
-        # attention's work follows the live length only where its kernel runs (else it covers the whole cache)
-        lengths = (lo, hi) if _platform.use_triton(self.device) else (lo,)
-        snap = {k: v.clone() for k, v in st.items()}
-        try:
-            for b in self._buckets():
-                for K in self.k_choices:
-                    key = (greedy, b, K)
-                    if key in self.step_times:
-                        continue
-                    graph = self.graphs is not None and key in self.graphs
-                    run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
-                    at = []
-                    for L in lengths:
-                        times = []
-                        for _ in range(repeats + 1):  # the first warms (uncaptured: it may compile)
-                            self._as_if_live(snap, L)
-                            plat.synchronize()
-                            t0 = time.perf_counter()
-                            run()
-                            plat.synchronize()
-                            times.append(time.perf_counter() - t0)
-                        at.append(min(times[1:]) / N)
-                    per = max(at[-1] - at[0], 0.0) / (hi - lo)
-                    self.step_times[key] = (at[0] - per * lo, per)
-                    self._timed.add(key)
-        finally:
-            for k, v in snap.items():
-                st[k].copy_(v)
-
-    def _as_if_live(self, snap: dict, length: int) -> None:
-        """Every row active at committed length `length`, with room to generate (for timing only)."""
-        st = self.state
-        for k, v in snap.items():
-            st[k].copy_(v)
-        st["active"].fill_(True)
-        st["error"].fill_(False)
-        st["seq_lens"].fill_(length)
-        st["n_out"].fill_(1)
-        st["max_new"].fill_(self.config.max_len)
-        st["steps"].fill_(1)
-
     def reset_graphs(self, steps_per_graph: int | None = None) -> None:
         """Drop the captured graphs (re-captured at the next generate), optionally with a new N.
 
@@ -385,19 +336,8 @@ class DecoderBase:
         self.capture_report.clear()  # the graphs it counted are gone; the next capture reports its own
         for key in self._timed:  # re-measured at the next capture; entries a caller set stay
             self.step_times.pop(key, None)
+            self.host_times.pop(key, None)
         self._timed.clear()
-
-    def _times_for(self, greedy: bool, B: int, length: float) -> dict[int, float]:
-        """{K: seconds per step} at mean live length `length`, from the measured bucket nearest above B (else the
-        largest). A ``step_times`` entry is ``(base_s, per_position_s)`` or plain seconds."""
-        measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
-        b = next((m for m in measured if m >= B), measured[-1] if measured else B)
-        out = {}
-        for K in self.k_choices:
-            t = self.step_times.get((greedy, b, K))
-            if t is not None:
-                out[K] = t[0] + t[1] * length if isinstance(t, tuple) else t
-        return out
 
     def _run_steps(self, B: int, greedy: bool, K: int | None = None) -> None:
         """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists."""
@@ -525,7 +465,7 @@ class DecoderBase:
             for s in busy:
                 slot_ks[s] += [K] * N
             if chooser:  # the one host read per replay: which rows are active, their lengths, the chooser's counts
-                read = torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B], self.k_counts)).tolist()
+                read = self._read_after_replay(B)
                 active = read[:B]
                 for s in busy:
                     live[s] = read[B + s]

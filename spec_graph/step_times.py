@@ -1,0 +1,127 @@
+"""Adaptive K's price list: the seconds each (batch bucket, K) step takes, and the host's own work per replay,
+measured once when the graphs are captured and fixed from then on (so the chooser stays deterministic).
+
+``StepTimes`` is a part of ``runtime.DecoderBase``: it times the engine's own captured steps, with every row
+made active as a request would be, and puts the state back afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import platform as _platform
+from .adaptive import KChooser
+
+# each K's step is timed at a short and at this live length (or max_len / 2 if shorter), and interpolated
+TIME_LENGTH = 1024
+HOST_REPLAYS = 8  # replays per timing of the host's work per replay
+
+
+class StepTimes:
+    """``step_times`` {(greedy, bucket, K): (base_s, per_position_s) or seconds} and ``host_times``
+    {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
+    set beforehand are kept (``_timed`` holds the keys measured here)."""
+
+    def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
+        """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
+        rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
+        at two lengths (one where attention covers the whole cache anyway), then the state is put back (no
+        request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
+        Fixed from here on: the chooser stays deterministic."""
+        plat, N, st = self.platform, self.config.steps_per_graph, self.state
+        lo = 16
+        hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
+        # attention's work follows the live length only where its kernel runs (else it covers the whole cache)
+        lengths = (lo, hi) if _platform.use_triton(self.device) else (lo,)
+        snap = {k: v.clone() for k, v in st.items()}
+        try:
+            for b in self._buckets():
+                for K in self.k_choices:
+                    key = (greedy, b, K)
+                    if key in self.step_times:
+                        continue
+                    graph = self.graphs is not None and key in self.graphs
+                    run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
+                    at = []
+                    for L in lengths:
+                        times = []
+                        for _ in range(repeats + 1):  # the first warms (uncaptured: it may compile)
+                            self._as_if_live(snap, L)
+                            plat.synchronize()
+                            t0 = time.perf_counter()
+                            run()
+                            plat.synchronize()
+                            times.append(time.perf_counter() - t0)
+                        at.append(min(times[1:]) / N)
+                    per = max(at[-1] - at[0], 0.0) / (hi - lo)
+                    self.step_times[key] = (at[0] - per * lo, per)
+                    self._timed.add(key)
+                if (greedy, b, self.k_choices[0]) in self._timed and (greedy, b) not in self.host_times:
+                    self.host_times[(greedy, b)] = self._time_host(greedy, b, snap, lo, repeats)
+                    self._timed.add((greedy, b))
+        finally:
+            for k, v in snap.items():
+                st[k].copy_(v)
+
+    def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
+        """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
+        each followed by the loop's device read and a choice, against the same replays followed by a sync."""
+        plat, K = self.platform, self.k_choices[0]
+        key = (greedy, b, K)
+        run = (lambda: self.graphs.replay(key)) if self.graphs is not None and key in self.graphs \
+            else self._steps_fn(greedy, b, K)
+        chooser = KChooser(self.k_choices)
+
+        def with_read():
+            run()
+            chooser.observe(self._read_after_replay(b)[2 * b:])
+            chooser.choose(self._times_for(greedy, b, length))
+
+        def with_sync():
+            run()
+            plat.synchronize()
+
+        best = {}
+        for _ in range(repeats):
+            for name, fn in (("read", with_read), ("sync", with_sync)):
+                self._as_if_live(snap, length)
+                plat.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(HOST_REPLAYS):
+                    fn()
+                plat.synchronize()
+                t = (time.perf_counter() - t0) / HOST_REPLAYS
+                best[name] = min(best.get(name, t), t)
+        return max(best["read"] - best["sync"], 0.0)
+
+    def _read_after_replay(self, B: int) -> list[int]:
+        """The one host read per replay of an adaptive engine: rows [0, B)'s active flags and lengths, then the
+        chooser's counts."""
+        return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B], self.k_counts)).tolist()
+
+    def _as_if_live(self, snap: dict, length: int) -> None:
+        """Every row active at committed length `length`, with room to generate (for timing only)."""
+        st = self.state
+        for k, v in snap.items():
+            st[k].copy_(v)
+        st["active"].fill_(True)
+        st["error"].fill_(False)
+        st["seq_lens"].fill_(length)
+        st["n_out"].fill_(1)
+        st["max_new"].fill_(self.config.max_len)
+        st["steps"].fill_(1)
+
+    def _times_for(self, greedy: bool, B: int, length: float) -> dict[int, float]:
+        """{K: seconds per step} at mean live length `length`, from the measured bucket nearest above B (else the
+        largest): a ``step_times`` entry, ``(base_s, per_position_s)`` or plain seconds, plus the bucket's
+        ``host_times`` share per step (none where it was not measured)."""
+        measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
+        b = next((m for m in measured if m >= B), measured[-1] if measured else B)
+        host = self.host_times.get((greedy, b), 0.0) / self.config.steps_per_graph
+        out = {}
+        for K in self.k_choices:
+            t = self.step_times.get((greedy, b, K))
+            if t is not None:
+                out[K] = (t[0] + t[1] * length if isinstance(t, tuple) else t) + host
+        return out
