@@ -142,11 +142,11 @@ def test_matches_reference(case):
     assert sync is None or not sync.any()
 
 
-def test_last_split_merges_once_per_row_and_kv_head():
+def test_last_split_merges_once_per_row_and_kv_head(monkeypatch):
     """The merge in the split kernel's launch gives the combine kernel's output bit for bit, and leaves the
     counters zero. The control: a stale count in (row 1, kv head 0)'s slot, so that no split of it is the last
     one; its heads are left unwritten and its count ends at 100 + splits, while every other (row, kv head) is
-    merged as before."""
+    merged as before. Above MERGE_LAST_PARTIALS the merge kernel runs instead (the counters stay as they are)."""
     _require_kernel()
     B, T, Hkv, G, D, Lc, splits = 3, 2, 2, 3, 16, 90, 4
     q, k, v, _ = _build(B, T, Hkv * G, Hkv, D, Lc, B, 1, torch.float32, 13)
@@ -164,6 +164,11 @@ def test_last_split_merges_once_per_row_and_kv_head():
     merged[1, :G] = False  # kv head 0 serves query heads 0 .. G-1
     assert torch.equal(stale[merged[:, None, :].expand(B, T, -1)], two_kernels[merged[:, None, :].expand(B, T, -1)])
     assert not torch.equal(stale[1, :, :G], two_kernels[1, :, :G])
+    # more partials per (row, kv head) than one program merges: the merge kernel runs and the counters are unused
+    monkeypatch.setattr(_att, "MERGE_LAST_PARTIALS", G * T * splits - 1)
+    with block_n(16):
+        assert torch.equal(decode_attention(*args, 0, None, pos, num_splits=splits, sync=sync), two_kernels)
+    assert sync[Hkv].item() == 100 + splits
 
 
 def test_off_by_one_live_length_is_caught():

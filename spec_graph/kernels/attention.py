@@ -17,7 +17,8 @@
   static shapes and the device's SM count, so the choice is capturable.
 - sync: None, or an int32 counter buffer (decode_linear.new_sync: zeros, and each launch leaves it zeros)
   with a slot per (row, kv head). With it the last split of each (row, kv head) to finish merges the
-  splits' partial results itself, in the split kernel's launch; without it a second kernel merges them.
+  splits' partial results itself, in the split kernel's launch (up to MERGE_LAST_PARTIALS query rows x
+  splits); otherwise a second kernel merges them.
 
 `decode_attention_ref` is the math of models/llama.py's Attention (masked attention over the whole
 buffer, fp32 softmax, probabilities cast to q's dtype before p @ v), so the CPU path is unchanged.
@@ -37,6 +38,9 @@ from .rng import block_for, use_kernel, wrap_triton
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
 MIN_SPLIT_KEYS = 256  # auto splits keep at least this many cache positions per split
 MAX_SPLITS = 64
+# The last split merges (with counters) only up to this many (query row, split) partials per (row, kv head): one
+# program reads them all (D x 4 bytes each), after its own split; above, the merge kernel spreads the rows.
+MERGE_LAST_PARTIALS = 256
 LOG2E = 1.4426950408889634
 # Extra launch options of the split kernel (num_warps, num_stages). Triton's defaults (4 warps, 3 stages on
 # CUDA) with BLOCK_N 64 were the best of BLOCK_N 32/64/128 x warps 2/4/8 x stages 2/3/4 on an H200.
@@ -245,7 +249,8 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     direct = splits == 1
     # the last split merges where each (row, kv head) has a counter (a symbolic batch: where its range proves it)
-    merge_last = not direct and sync is not None and statically_known_true(B * Hkv <= sync.numel())
+    merge_last = (not direct and sync is not None and G * T * splits <= MERGE_LAST_PARTIALS
+                  and statically_known_true(B * Hkv <= sync.numel()))
     items = B * Hkv * splits
     if direct:
         ws_acc = ws_ml = out  # unused
