@@ -107,8 +107,8 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
 def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0):
     """The auto engine's chooser replaced, for the calls inside: one that always picks K=`pin` (it still reads the
     counters; the engine then runs its own K graph, as a fixed-K engine would, with no compile of its own), or one
-    with another decay and `host_ms` added to every K's step time (negative: taken off; a chooser variant on the
-    same graphs)."""
+    with another decay and `host_ms` added to every K's time per step (negative: taken off; a chooser variant on
+    the same graphs)."""
     real = sg_runtime.KChooser
 
     class Variant(real):
@@ -179,7 +179,7 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         if k == AUTO and mode == "greedy":
             # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
             own_ms = 1e3 * dec.host_times.get((True, B), 0.0) / a.steps_per_graph
-            runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h))
+            runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h / a.steps_per_graph))
                      for name, d, h in chooser_variants(a.chooser_variants)]
             runs += [(pin, dict(pin=pin)) for pin in (a.k_set if a.pin_in_auto and not a.skip_fixed else [])]
         # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that

@@ -152,7 +152,7 @@ class DecoderBase(StepTimes):
         # is kept, so a caller can fix the table); the device counters the chooser reads (see adaptive.py);
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
         self.step_times: dict = {}
-        self._timed: set = set()  # the step_times entries measured here
+        self._timed: set = set()  # the step_times and host_times keys measured here
         # and {(greedy, bucket): seconds}: the host's own work per replay (the device read and the choice, which
         # wait for the replay's end), added once per replay to every K's steps; measured where the steps are
         self.host_times: dict = {}

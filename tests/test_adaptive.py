@@ -186,7 +186,7 @@ def test_auto_measures_step_times_once(llama_pair):
     table, host = dict(dec.step_times), dict(dec.host_times)
     assert set(table) == {(True, b, k) for b in (1, 2) for k in (1, 2, 3)}
     assert all(base + 16 * per > 0 and per >= 0 for base, per in table.values())
-    assert set(host) == {(True, 1), (True, 2)} and all(h >= 0 for h in host.values())
+    assert set(host) == {(True, 1), (True, 2)}
     # each K's step time holds the host's work per replay too (it waits for the replay's end)
     dec.host_times[(True, 2)] = 0.5
     dec.config.steps_per_graph = 2

@@ -17,8 +17,9 @@
   static shapes and the device's SM count, so the choice is capturable.
 - sync: None, or an int32 counter buffer (decode_linear.new_sync: zeros, and each launch leaves it zeros)
   with a slot per (row, kv head). With it the last split of each (row, kv head) to finish merges the
-  splits' partial results itself, in the split kernel's launch (up to MERGE_LAST_PARTIALS query rows x
-  splits); otherwise a second kernel merges them.
+  splits' partial results itself, in the split kernel's launch, where the buffer has a slot for each
+  (row, kv head) (a symbolic batch: where its range proves it) and a (row, kv head) has at most
+  MERGE_LAST_PARTIALS query rows x splits; otherwise, and without sync, a second kernel merges them.
 
 `decode_attention_ref` is the math of models/llama.py's Attention (masked attention over the whole
 buffer, fp32 softmax, probabilities cast to q's dtype before p @ v), so the CPU path is unchanged.
@@ -249,7 +250,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     direct = splits == 1
     # the last split merges where each (row, kv head) has a counter (a symbolic batch: where its range proves it)
-    merge_last = (not direct and sync is not None and G * T * splits <= MERGE_LAST_PARTIALS
+    merge_last = (not direct and sync is not None and statically_known_true(G * T * splits <= MERGE_LAST_PARTIALS)
                   and statically_known_true(B * Hkv <= sync.numel()))
     items = B * Hkv * splits
     if direct:

@@ -13,7 +13,7 @@ the residual add in the epilogue. One kernel replaces a norm, a matmul and a poi
 - sync (each op's last argument, None for none; the ops take every argument, as some torch versions drop a
   trailing default before indexing the mutated ones): an int32 buffer of split-K counters (new_sync), zeros between
   launches. With it a narrow product splits its K over several programs; without it each column block is one
-  program. Every launch on a stream may share one buffer.
+  program. Every launch on a stream may share one buffer (attention.py's merge counts in it too).
 - Rounding follows the modules they replace in x's dtype: the norm rounds x * rstd, then norm_w * h; the
   matmul accumulates in fp32 and rounds once (bias added before); SiLU*up, RoPE and the residual add are
   computed in fp32 from the rounded matmul output and rounded once (as inductor fuses them).
@@ -41,7 +41,7 @@ MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
-SYNC_SLOTS = 1024  # split-K counters in a `sync` buffer: column blocks one launch can split
+SYNC_SLOTS = 1024  # counters in a `sync` buffer: column blocks one launch splits (attention: (row, kv head)s)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}

@@ -201,7 +201,8 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        # split-K counters of the fused linear kernels, shared by every layer (each launch leaves them zero)
+        # counters of the fused linear kernels' split-K and of attention's last-split merge, shared by every layer
+        # (each launch leaves them zero)
         self.register_buffer("linear_sync", new_sync(), persistent=False)
 
     @property
