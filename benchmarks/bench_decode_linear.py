@@ -1,6 +1,6 @@
 """The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
 
-    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep]
+    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain]
 
 For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
@@ -11,7 +11,8 @@ count M (B x positions), times
     choices in `launch_config`)
 Each timing captures REPS calls in one CUDA graph, each call on its own copy of the weights (as the layers
 of a forward: nothing is served from L2), and reports the median replay time / REPS. GB/s counts the
-weight bytes. CUDA only.
+weight bytes. --chain instead times each model's four products per layer chained through all its layers in one
+graph (a forward's linear kernels), against the weight bytes over the measured copy bandwidth. CUDA only.
 """
 from __future__ import annotations
 
@@ -77,15 +78,65 @@ def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
     return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
 
 
+def chain(cfg: dict, M: int, dev, dt, sync):
+    """(run, weight bytes): run makes every layer's four fused products in order, each reading the one before (a
+    decode forward's linear kernels without attention: q's first H columns stand in for attention's output)."""
+    torch.manual_seed(0)
+    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = H // Hq
+
+    def w(n, k):
+        return torch.randn(n, k, device=dev, dtype=dt) / k**0.5
+
+    layers = [(w((Hq + 2 * Hkv) * D, H), w(H, Hq * D), w(2 * I, H), w(H, I)) for _ in range(L)]
+    nw = torch.ones(H, device=dev, dtype=dt)
+    cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
+    x0 = torch.randn(M, H, device=dev, dtype=dt)
+
+    def run():
+        h = x0
+        for qkv, o, gate_up, down in layers:
+            q = dl.decode_qkv_rope(h, qkv, None, nw, 1e-6, cos, sin, Hq + Hkv, D, sync=sync)
+            h = dl.decode_linear(q[:, :Hq * D], o, residual=h, sync=sync)
+            g = dl.decode_gate_up(h, gate_up, None, nw, 1e-6, sync=sync)
+            h = dl.decode_linear(g, down, residual=h, sync=sync)
+        return h
+    return run, sum(t.numel() * t.element_size() for layer in layers for t in layer)
+
+
+def run_chain(plat, rows: str) -> None:
+    """Each model's linear kernels chained through its layers in one graph, against the bytes floor."""
+    dev, dt = plat.device, torch.bfloat16
+    sync = dl.new_sync(dev)
+    bw = bs.copy_bandwidth()
+    print(f"# each model's fused products chained through its layers, one CUDA graph; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s")
+    print("| model | M | kernels | us per forward | weight MB | floor us | us per kernel above the floor |")
+    print("|---|---|---|---|---|---|---|")
+    for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
+        for M in (int(m) for m in rows.split(",")):
+            fn, nbytes = chain(cfg, M, dev, dt, sync)
+            replay, _ = graphed(plat, fn)
+            t = bs.median_ms(replay, 20, warmup=3) * 1e3
+            n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
+            print(f"| {model} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5,8,16")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
     ap.add_argument("--sweep-rows", default="1", help="row counts the sweep covers")
+    ap.add_argument("--chain", action="store_true",
+                    help="instead, time each model's products chained through its layers against the bytes floor")
     a = ap.parse_args()
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
+    if a.chain:
+        return run_chain(plat, a.rows)
     import triton
 
     dev, dt = plat.device, torch.bfloat16
