@@ -32,6 +32,7 @@ import bench_step as bs  # noqa: E402
 from bench_attention import graphed  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.kernels import decode_linear as dl  # noqa: E402
+from spec_graph.kernels.counters import new_sync  # noqa: E402
 
 REPS = 16
 # (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS
@@ -72,7 +73,7 @@ def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
         "down": lambda w, sync: dl.decode_linear(x, w, residual=r, sync=sync),
         "lm_head": lambda w, sync: dl.decode_linear(x, w, None, nw, 1e-6, sync=sync),
     }
-    sync = dl.new_sync(dev)
+    sync = new_sync(dev)
     op = ops[name]
     op = (lambda w, op=op: op(w, sync=sync))
     return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
@@ -108,7 +109,7 @@ def chain(cfg: dict, M: int, dev, dt, sync):
 def run_chain(plat, rows: str) -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor."""
     dev, dt = plat.device, torch.bfloat16
-    sync = dl.new_sync(dev)
+    sync = new_sync(dev)
     bw = bs.copy_bandwidth()
     print(f"# each model's fused products chained through its layers, one CUDA graph; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s")

@@ -41,8 +41,7 @@ class StepTimes:
                     key = (greedy, b, K)
                     if key in self.step_times:
                         continue
-                    graph = self.graphs is not None and key in self.graphs
-                    run = (lambda: self.graphs.replay(key)) if graph else self._steps_fn(greedy, b, K)
+                    run = self._timed_run(key)
                     at = []
                     for L in lengths:
                         times = []
@@ -67,10 +66,8 @@ class StepTimes:
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
         each followed by the loop's device read and a choice, against the same replays followed by a sync."""
-        plat, K = self.platform, self.k_choices[0]
-        key = (greedy, b, K)
-        run = (lambda: self.graphs.replay(key)) if self.graphs is not None and key in self.graphs \
-            else self._steps_fn(greedy, b, K)
+        plat = self.platform
+        run = self._timed_run((greedy, b, self.k_choices[0]))
         chooser = KChooser(self.k_choices)
 
         def with_read():
@@ -94,6 +91,12 @@ class StepTimes:
                 t = (time.perf_counter() - t0) / HOST_REPLAYS
                 best[name] = min(best.get(name, t), t)
         return max(best["read"] - best["sync"], 0.0)
+
+    def _timed_run(self, key):
+        """The step of key (greedy, bucket, K) as the engine runs it: its graph's replay, or uncaptured."""
+        if self.graphs is not None and key in self.graphs:
+            return lambda: self.graphs.replay(key)
+        return self._steps_fn(*key)
 
     def _read_after_replay(self, B: int) -> list[int]:
         """The one host read per replay of an adaptive engine: rows [0, B)'s active flags and lengths, then the

@@ -29,7 +29,7 @@ from helpers import (interpreter_while_testing, require_kernel, run_compiled_scr
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
-from spec_graph.kernels.decode_linear import new_sync  # noqa: E402
+from spec_graph.kernels.counters import new_sync  # noqa: E402
 
 _att = importlib.import_module("spec_graph.kernels.attention")
 

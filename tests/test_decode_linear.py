@@ -29,6 +29,7 @@ _dl = importlib.import_module("spec_graph.kernels.decode_linear")
 from spec_graph.kernels.decode_linear import (  # noqa: E402
     decode_gate_up, decode_gate_up_ref, decode_linear, decode_linear_ref, decode_qkv_rope, decode_qkv_rope_ref,
     rope_ref)
+from spec_graph.kernels.counters import SYNC_SLOTS, new_sync  # noqa: E402
 
 if _ENV_BEFORE is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -120,7 +121,7 @@ def test_linear_matches_reference(case, N, residual):
     x, w, b, nw = _inputs(B, T, K, N, dtype, bias, norm, g)
     r = torch.randn(B, T, N, generator=g).to(dtype) if residual else None
     args = _dev(x, w, b, nw, 1e-5, r)
-    sync = _dl.new_sync(DEV)
+    sync = new_sync(DEV)
     with launch(*conf):
         got = decode_linear(*args, sync=sync)
     ref = decode_linear_ref(*args)
@@ -136,7 +137,7 @@ def test_gate_up_matches_reference(case, inter):
     g = torch.Generator().manual_seed(seed)
     x, w, b, nw = _inputs(B, T, K, 2 * inter, dtype, bias, norm, g)
     args = _dev(x, w, b, nw, 1e-6)
-    sync = _dl.new_sync(DEV)
+    sync = new_sync(DEV)
     with launch(*conf):
         got = decode_gate_up(*args, sync=sync)
     ref = decode_gate_up_ref(*args)
@@ -155,7 +156,7 @@ def test_qkv_rope_matches_reference(case, D, groups, kv, extra):
     x, w, b, nw = _inputs(B, T, K, (rope_heads + extra) * D, dtype, bias, norm, g)
     cos, sin = _rope_tables(B, T, D, dtype, g)
     args = _dev(x, w, b, nw, 1e-6, cos, sin, rope_heads, D)
-    sync = _dl.new_sync(DEV)
+    sync = new_sync(DEV)
     with launch(*conf):
         got = decode_qkv_rope(*args, sync=sync)
     ref = decode_qkv_rope_ref(*args)
@@ -177,7 +178,7 @@ def test_split_k_meets_once_per_column_block():
     x, w, b, nw = _dev(*_inputs(2, 3, 128, 48, torch.float32, True, True, g))
     ref = decode_linear_ref(x, w, b, nw, 1e-6)
     with launch(True, 16, 16, split=4):
-        sync = _dl.new_sync(DEV)
+        sync = new_sync(DEV)
         got = [decode_linear(x, w, b, nw, 1e-6, sync=sync) for _ in range(2)]  # a second launch reuses the counts
         assert all(_close(y, ref, torch.float32) for y in got) and not sync.any()
         sync[0] = 100
@@ -340,7 +341,7 @@ def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, monkeypa
     assert torch.allclose(gk.float(), wk.float(), **tol) and torch.allclose(gv.float(), wv.float(), **tol)
     if dtype == torch.float32:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert model.linear_sync.shape == (_dl.SYNC_SLOTS,) and not model.linear_sync.any()
+    assert model.linear_sync.shape == (SYNC_SLOTS,) and not model.linear_sync.any()
 
     real = _dl.decode_linear_ref
     monkeypatch.setattr(_dl, "decode_linear_ref", lambda x, w, b=None, nw=None, eps=0.0, r=None: real(x, w, b, nw, eps))

@@ -36,7 +36,7 @@ class StandInDriver:  # enough of a CUDA driver for inductor to lower triton ker
 triton.runtime.driver.set_active(StandInDriver())
 import spec_graph.kernels as kernels
 from spec_graph import SpecDecoder, SpecGraphConfig, platform
-from spec_graph.kernels import attention, decode_linear
+from spec_graph.kernels import attention, counters, decode_linear
 from helpers import build_tokenizer, make_checkpoint, perturbed_copy
 
 for mod in (decode_linear, attention):
@@ -88,7 +88,7 @@ def read(scheduler, operations):
             out["cache index_put buffers"] += 1
         elif type(op).__name__ == "ComputedBuffer" and len(op.get_size()) == 5:  # a copy of a whole cache
             out["other cache-sized buffers"] += 1
-        elif type(op).__name__ == "ComputedBuffer" and list(op.get_size()) == [decode_linear.SYNC_SLOTS]:
+        elif type(op).__name__ == "ComputedBuffer" and list(op.get_size()) == [counters.SYNC_SLOTS]:
             out["split-K counter buffers"] += 1  # a copy of the counters: they must be the model's own
     out["stride mismatches"] = sorted(set(mismatches))
     raise Lowered(json.dumps(out))

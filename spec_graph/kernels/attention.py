@@ -15,7 +15,7 @@
 - Returns [B, T, Hq, D] in q's dtype; the softmax accumulates in fp32.
 - num_splits: key-range splits per (row, kv head) (flash-decoding); 0 picks one on the host from
   static shapes and the device's SM count, so the choice is capturable.
-- sync: None, or an int32 counter buffer (decode_linear.new_sync: zeros, and each launch leaves it zeros)
+- sync: None, or an int32 counter buffer (counters.new_sync: zeros, and each launch leaves it zeros)
   with a slot per (row, kv head). With it the last split of each (row, kv head) to finish merges the
   splits' partial results itself, in the split kernel's launch, where the buffer has a slot for each
   (row, kv head) (a symbolic batch: where its range proves it) and a (row, kv head) has at most
@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
 from .. import platform
+from .counters import arrive_last, rearm
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
@@ -170,13 +171,12 @@ def _decode_attention_kernel(
             tl.store(ws_ml_ptr + (w * 2) * GT + offs_m, m_i, mask=m_ok)
             tl.store(ws_ml_ptr + (w * 2 + 1) * GT + offs_m, l_i, mask=m_ok)
             if MERGE_LAST:
-                tl.debug_barrier()  # every thread's partials are written before the count releases them
                 bj = w // NUM_SPLITS
-                if tl.atomic_add(sync_ptr + bj, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                if arrive_last(sync_ptr, bj, NUM_SPLITS):
                     for r in range(GT):
                         _merge_row(ws_acc_ptr, ws_ml_ptr, out_ptr, bj, r, HKV, G, T, NUM_SPLITS, sob, sot, soh,
                                    sod, BLOCK_S, BLOCK_D)
-                    tl.atomic_xchg(sync_ptr + bj, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                    rearm(sync_ptr, bj)
 
 
 @triton.jit

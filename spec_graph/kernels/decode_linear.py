@@ -11,9 +11,9 @@ the residual add in the epilogue. One kernel replaces a norm, a matmul and a poi
 - x: [..., H] with M = prod(leading dims) rows (M <= MAX_ROWS); w: [N, H] row-major (nn.Linear's);
   cos, sin: [..., D] broadcast per row as models/llama.py builds them.
 - sync (each op's last argument, None for none; the ops take every argument, as some torch versions drop a
-  trailing default before indexing the mutated ones): an int32 buffer of split-K counters (new_sync), zeros between
-  launches. With it a narrow product splits its K over several programs; without it each column block is one
-  program. Every launch on a stream may share one buffer (attention.py's merge counts in it too).
+  trailing default before indexing the mutated ones): an int32 buffer of split-K counters (counters.new_sync),
+  zeros between launches. With it a narrow product splits its K over several programs; without it each column
+  block is one program. Every launch on a stream may share one buffer (attention.py's merge counts in it too).
 - Rounding follows the modules they replace in x's dtype: the norm rounds x * rstd, then norm_w * h; the
   matmul accumulates in fp32 and rounds once (bias added before); SiLU*up, RoPE and the residual add are
   computed in fp32 from the rounded matmul output and rounded once (as inductor fuses them).
@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
 from .. import platform
+from .counters import arrive_last, rearm
 from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
@@ -41,7 +42,6 @@ MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
-SYNC_SLOTS = 1024  # counters in a `sync` buffer: column blocks one launch splits (attention: (row, kv head)s)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}
@@ -293,8 +293,7 @@ def _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, s, offs_m, offs_n, mn_ok, 
     tl.store(ws, acc_a, mask=mn_ok)
     if MODE != 0:
         tl.store(ws + N, acc_b, mask=mn_ok)
-    tl.debug_barrier()  # every thread's partials are written before the count releases them
-    last = tl.atomic_add(sync_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    last = arrive_last(sync_ptr, pid_n, SPLIT_K)
     if last:
         acc_a = tl.zeros(acc_a.shape, tl.float32)
         acc_b = tl.zeros(acc_b.shape, tl.float32)
@@ -303,7 +302,7 @@ def _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, s, offs_m, offs_n, mn_ok, 
             acc_a += tl.load(wi, mask=mn_ok, other=0.0, cache_modifier=".cg")
             if MODE != 0:
                 acc_b += tl.load(wi + N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(sync_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        rearm(sync_ptr, pid_n)
     return acc_a, acc_b, last
 
 
@@ -391,14 +390,9 @@ def fused_rows_ok(x: torch.Tensor) -> bool:
     return bool(statically_known_true(x.numel() // max(x.shape[-1], 1) <= MAX_ROWS))
 
 
-def new_sync(device=None) -> torch.Tensor:
-    """A split-K counter buffer for the ops' `sync` argument: zeros, and each launch leaves it zeros."""
-    return torch.zeros(SYNC_SLOTS, dtype=torch.int32, device=device)
-
-
 def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None, sync=None):
     """kv: (k_cache, v_cache, layer, slots, positions, q_cols) to write k and v into the caches (ROPE only);
-    out then holds the q columns alone. sync: split-K's counters (new_sync), or None for no split."""
+    out then holds the q columns alone. sync: split-K's counters (counters.new_sync), or None for no split."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:

@@ -23,7 +23,8 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention
-from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok, new_sync,
+from ..kernels.counters import new_sync
+from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok,
                                      rms_norm_ref, rope_ref)
 from .config import ModelArgs
 
@@ -166,7 +167,7 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
         """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in
-        (sync: the counters of split-K and of attention's last-split merge, kernels/decode_linear.py's new_sync)."""
+        (sync: the counters of split-K and of attention's last-split merge, kernels/counters.py's new_sync)."""
         B, T, _ = x.shape
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         q = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
-from ..kernels.decode_linear import new_sync
+from ..kernels.counters import new_sync
 from .llama import Transformer, rope_inv_freq
 
 DTYPES = {
