@@ -27,9 +27,8 @@ logits).
 
 - weights: the tensors of ``weights.safetensors`` in ``metadata["weights"]``
   order (target's, then draft's), on the export's device. Among them each
-  model's ``linear_sync`` (int32 zeros: the counters of the fused linear
-  kernels' split-K and of attention's last-split merge), which a CUDA step
-  writes in place and leaves zero: calls that
+  model's ``linear_sync`` (int32 zeros: the fused linear kernels' split-K
+  counters), which a CUDA step writes in place and leaves zero: calls that
   may run at the same time (two streams) each need their own copy of it;
 - KV caches ``draft_k, draft_v, target_k, target_v``: zeros of the shapes and
   dtypes in ``metadata["kv_cache"]`` (``[layers, rows, kv_heads, cache_len,

@@ -24,12 +24,10 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import (interpreter_while_testing, require_kernel, run_compiled_script,  # noqa: E402
-                     run_module_in_fresh_process)
+from helpers import interpreter_while_testing, require_kernel, run_module_in_fresh_process  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
-from spec_graph.kernels.counters import new_sync  # noqa: E402
 
 _att = importlib.import_module("spec_graph.kernels.attention")
 
@@ -118,57 +116,23 @@ def attention_case(draw):
     use_slots = draw(st.booleans())
     dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
     seed = draw(st.integers(0, 2**31 - 1))
-    merge_last = draw(st.booleans())
-    return D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed, merge_last
+    return D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed
 
 
 @settings(max_examples=30, **SETTINGS)
 @given(attention_case())
 def test_matches_reference(case):
-    """The kernel against the reference; with merge counters (merge_last) the last split of each (row, kv head)
-    merges the splits, and the counters end zero."""
     _require_kernel()
-    D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed, merge_last = case
+    D, Hkv, G, T, B, block, Lc, lives, window, splits, odd, use_slots, dtype, seed = case
     n_slots = B + 2 if use_slots else B
     q, k, v, g = _build(B, T, Hkv * G, Hkv, D, Lc, n_slots, 2, dtype, seed)
     pos = _positions(lives, T, odd, g)
     slots = torch.randperm(n_slots, generator=g)[:B] if use_slots else None
     args = [x.to(DEV) if isinstance(x, torch.Tensor) else x for x in (q, k, v, 1, slots, pos.to(DEV), window)]
-    sync = new_sync(DEV) if merge_last else None
     with block_n(block):
-        got = decode_attention(*args, num_splits=splits, sync=sync)
+        got = decode_attention(*args, num_splits=splits)
     ref = decode_attention_ref(*args)
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
-    assert sync is None or not sync.any()
-
-
-def test_last_split_merges_once_per_row_and_kv_head(monkeypatch):
-    """The merge in the split kernel's launch gives the combine kernel's output bit for bit, and leaves the
-    counters zero. The control: a stale count in (row 1, kv head 0)'s slot, so that no split of it is the last
-    one; its heads are left unwritten and its count ends at 100 + splits, while every other (row, kv head) is
-    merged as before. Above MERGE_LAST_PARTIALS the merge kernel runs instead (the counters stay as they are)."""
-    _require_kernel()
-    B, T, Hkv, G, D, Lc, splits = 3, 2, 2, 3, 16, 90, 4
-    q, k, v, _ = _build(B, T, Hkv * G, Hkv, D, Lc, B, 1, torch.float32, 13)
-    pos = _positions([5, 60, Lc], T).to(DEV)
-    args = [x.to(DEV) for x in (q, k, v)]
-    with block_n(16):
-        two_kernels = decode_attention(*args, 0, None, pos, num_splits=splits)
-        sync = new_sync(DEV)
-        got = decode_attention(*args, 0, None, pos, num_splits=splits, sync=sync)
-        assert torch.equal(got, two_kernels) and not sync.any()
-        sync[1 * Hkv + 0] = 100
-        stale = decode_attention(*args, 0, None, pos, num_splits=splits, sync=sync)
-    assert sync[Hkv].item() == 100 + splits and not torch.cat((sync[:Hkv], sync[Hkv + 1:])).any()
-    merged = torch.ones(B, Hkv * G, dtype=torch.bool)
-    merged[1, :G] = False  # kv head 0 serves query heads 0 .. G-1
-    assert torch.equal(stale[merged[:, None, :].expand(B, T, -1)], two_kernels[merged[:, None, :].expand(B, T, -1)])
-    assert not torch.equal(stale[1, :, :G], two_kernels[1, :, :G])
-    # more partials per (row, kv head) than one program merges: the merge kernel runs and the counters are unused
-    monkeypatch.setattr(_att, "MERGE_LAST_PARTIALS", G * T * splits - 1)
-    with block_n(16):
-        assert torch.equal(decode_attention(*args, 0, None, pos, num_splits=splits, sync=sync), two_kernels)
-    assert sync[Hkv].item() == 100 + splits
 
 
 def test_off_by_one_live_length_is_caught():
@@ -258,8 +222,7 @@ def _small():
 
 def test_op_registered_and_functional():
     schema = str(torch.ops.spec_graph.decode_attention.default._schema)
-    # it writes nothing but the merge counters it is handed (and leaves them zero)
-    assert schema.count("!") == 1 and "!)? sync" in schema and "Tensor? slots" in schema, schema
+    assert "!" not in schema and "Tensor? slots" in schema, schema
     m = dict(device="meta")
     out = decode_attention(torch.empty(2, 5, 8, 16, **m), torch.empty(1, 3, 2, 64, 16, **m),
                            torch.empty(1, 3, 2, 64, 16, **m), 0, None, torch.empty(2, 5, dtype=torch.long, **m))
@@ -332,33 +295,3 @@ def test_gpu_long_contexts_and_graph_replay(dtype):
         out = graphs.replay("attn")
         plat.synchronize()
         assert _close(out, decode_attention_ref(q, k, v, 0, None, pos), dtype), lives
-
-
-_SM90_SCRIPT = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from spec_graph.kernels import attention
-
-fn = attention._decode_attention_kernel
-const = dict(HAS_SLOTS=True, DIRECT=False, MERGE_LAST=sys.argv[1] == "1", IEEE=False, UPCAST=False, BLOCK_M=32,
-             BLOCK_N=attention.BLOCK_N, BLOCK_D=64, BLOCK_S=attention.MAX_SPLITS)
-types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", slots_ptr="*i64", pos_ptr="*i64",
-             ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", sync_ptr="*i32", qk_scale="fp32")
-sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-ptx = k.asm["ptx"]
-print(json.dumps({"shared": k.metadata.shared, "atomics": ptx.count("atom."), "barriers": ptx.count("bar.sync")}))
-"""
-
-
-def test_last_split_merge_compiles_for_sm90():
-    """The split kernel with its merge (atomic count, barrier, the merge loop), compiled for an H100/H200 on any
-    machine, within an sm90 program's shared memory. The control, without the merge, has no atomics and fewer
-    barriers (the merge's barrier orders the partials' stores before the count)."""
-    got = run_compiled_script(_SM90_SCRIPT, 1, skip_without_ptxas=True)
-    control = run_compiled_script(_SM90_SCRIPT, 0, skip_without_ptxas=True)
-    assert got["atomics"] >= 2 and got["shared"] <= 232448, got
-    assert control["atomics"] == 0 and got["barriers"] > control["barriers"], (got, control)

@@ -318,9 +318,8 @@ def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, monkeypa
     different lengths: logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
     broken (residual dropped) they do not. Slotted: the rows live in cache slots 2 and 0 of 3 (the k/v
     writes follow `slots`; slot 1 stays as it was). Split: every product split-K over 4 programs per column
-    block (3 for down_proj, whose 6 K tiles round to 3 ranges), and attention over 6 key ranges, which the
-    fused layer's last split merges (the module path's attention: a merge kernel), through the model's shared
-    counters (left at zero)."""
+    block (3 for down_proj, whose 6 K tiles round to 3 ranges), through the model's shared counters (left at
+    zero), and attention over 6 key ranges."""
     _require_kernel()
     model = _layer_model(dtype, bias=bias)
     if split:

@@ -1,7 +1,6 @@
 """Fused decode/verify attention over the static KV cache, with work that follows each row's live length.
 
-    out = decode_attention(q, k_cache, v_cache, layer, slots, positions, window=0, scale=None, num_splits=0,
-                           sync=None)
+    out = decode_attention(q, k_cache, v_cache, layer, slots, positions, window=0, scale=None, num_splits=0)
 
 - q: [B, T, Hq, D] (T = 1 .. K+2 query positions per row; fp32, bf16 or fp16), RoPE already applied.
 - k_cache, v_cache: the whole static buffers [layers, slots, Hkv, Lc, D] in q's dtype; `layer` an int.
@@ -15,11 +14,6 @@
 - Returns [B, T, Hq, D] in q's dtype; the softmax accumulates in fp32.
 - num_splits: key-range splits per (row, kv head) (flash-decoding); 0 picks one on the host from
   static shapes and the device's SM count, so the choice is capturable.
-- sync: None, or an int32 counter buffer (counters.new_sync: zeros, and each launch leaves it zeros)
-  with a slot per (row, kv head). With it the last split of each (row, kv head) to finish merges the
-  splits' partial results itself, in the split kernel's launch, where the buffer has a slot for each
-  (row, kv head) (a symbolic batch: where its range proves it) and a (row, kv head) has at most
-  MERGE_LAST_PARTIALS query rows x splits; otherwise, and without sync, a second kernel merges them.
 
 `decode_attention_ref` is the math of models/llama.py's Attention (masked attention over the whole
 buffer, fp32 softmax, probabilities cast to q's dtype before p @ v), so the CPU path is unchanged.
@@ -30,19 +24,14 @@ import math
 from typing import Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
 from .. import platform
-from .counters import arrive_last, rearm
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
 MIN_SPLIT_KEYS = 256  # auto splits keep at least this many cache positions per split
 MAX_SPLITS = 64
-# The last split merges (with counters) only up to this many (query row, split) partials per (row, kv head): one
-# program reads them all (D x 4 bytes each), after its own split; above, the merge kernel spreads the rows.
-MERGE_LAST_PARTIALS = 256
 LOG2E = 1.4426950408889634
 # Extra launch options of the split kernel (num_warps, num_stages). Triton's defaults (4 warps, 3 stages on
 # CUDA) with BLOCK_N 64 were the best of BLOCK_N 32/64/128 x warps 2/4/8 x stages 2/3/4 on an H200.
@@ -90,12 +79,11 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, sync_ptr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
         B, T, HKV, G, LC, WINDOW, NUM_SPLITS, qk_scale,
         sqb, sqt, sqh, sqd, sks, skh, skl, skd, svs, svh, svl, svd, spb, spt, sob, sot, soh, sod,
-        HAS_SLOTS: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_S: tl.constexpr):
+        HAS_SLOTS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Split s of (row b, kv head j) for work items w = pid, pid + nprog, ... (grid-stride).
 
     Query rows r = g * T + t (r < G * T) are head j * G + g at position p_r = positions[b, t].
@@ -104,9 +92,7 @@ def _decode_attention_kernel(
         keys of split s: [lo + s * chunk, min(lo + (s + 1) * chunk, live))   (empty: nothing is read)
         s_rk = qk_scale * q_r . k_k (log2 units) where p_r - WINDOW < k <= p_r, else -inf
         m_r = max_k s_rk,  l_r = sum_k 2^(s_rk - m_r),  acc_r = sum_k 2^(s_rk - m_r) v_k   (fp32, online)
-    DIRECT (one split): out = acc / l; else (acc, m, l) go to the workspace, merged (as _combine_kernel
-    does) by the combine kernel, or with MERGE_LAST by the last split of (b, j) to count itself in
-    sync[b * HKV + j], which then resets that count to 0 for the next launch.
+    DIRECT (one split): out = acc / l; else (acc, m, l) go to the workspace for the combine kernel.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -170,53 +156,37 @@ def _decode_attention_kernel(
             tl.store(ws_acc_ptr + (w * GT + offs_m[:, None]) * BLOCK_D + offs_d[None, :], acc, mask=m_ok[:, None])
             tl.store(ws_ml_ptr + (w * 2) * GT + offs_m, m_i, mask=m_ok)
             tl.store(ws_ml_ptr + (w * 2 + 1) * GT + offs_m, l_i, mask=m_ok)
-            if MERGE_LAST:
-                bj = w // NUM_SPLITS
-                if arrive_last(sync_ptr, bj, NUM_SPLITS):
-                    for r in range(GT):
-                        _merge_row(ws_acc_ptr, ws_ml_ptr, out_ptr, bj, r, HKV, G, T, NUM_SPLITS, sob, sot, soh,
-                                   sod, BLOCK_S, BLOCK_D)
-                    rearm(sync_ptr, bj)
-
-
-@triton.jit
-def _merge_row(ws_acc_ptr, ws_ml_ptr, out_ptr, bj, r, HKV, G, T, NUM_SPLITS, sob, sot, soh, sod,
-               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query row r of (row b, kv head j) = divmod(bj, HKV), merged over its splits:
-
-        M = max_s m_s;  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s   (empty splits: l_s = 0, unread)
-    (loads bypass L1: other programs wrote the partials)
-    """
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    GT = G * T
-    ws = bj * NUM_SPLITS + offs_s
-    m_s = tl.load(ws_ml_ptr + (ws * 2) * GT + r, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(ws_ml_ptr + (ws * 2 + 1) * GT + r, mask=s_ok, other=0.0, cache_modifier=".cg")
-    m = tl.max(m_s, axis=0)
-    wgt = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
-    a_s = tl.load(ws_acc_ptr + (ws[:, None] * GT + r) * BLOCK_D + offs_d[None, :], mask=(l_s > 0)[:, None],
-                  other=0.0, cache_modifier=".cg")
-    l = tl.sum(l_s * wgt, axis=0)
-    o = tl.sum(a_s * wgt[:, None], axis=0) / tl.where(l > 0, l, 1.0)
-    b = bj // HKV
-    head = (bj % HKV) * G + r // T
-    tl.store(out_ptr + b * sob + (r % T) * sot + head * soh + offs_d * sod, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, B, T, HKV, G, NUM_SPLITS, sob, sot, soh, sod,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the splits of query row r of (row b, kv head j) (_merge_row), for items w = pid, pid + nprog, ...
-    (grid-stride) over (b, j, r)."""
+    """Merge the splits of query row r of (row b, kv head j), for items w = pid, pid + nprog, ... (grid-stride).
+
+        M = max_s m_s;  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s   (empty splits: l_s = 0, unread)
+    """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
     GT = G * T
     for w32 in range(pid, B * HKV * GT, nprog):
         w = tl.cast(w32, tl.int64)
-        _merge_row(ws_acc_ptr, ws_ml_ptr, out_ptr, w // GT, w % GT, HKV, G, T, NUM_SPLITS, sob, sot, soh, sod,
-                   BLOCK_S, BLOCK_D)
+        r = w % GT
+        bj = w // GT
+        ws = bj * NUM_SPLITS + offs_s
+        m_s = tl.load(ws_ml_ptr + (ws * 2) * GT + r, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_ml_ptr + (ws * 2 + 1) * GT + r, mask=s_ok, other=0.0)
+        m = tl.max(m_s, axis=0)
+        wgt = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+        a_s = tl.load(ws_acc_ptr + (ws[:, None] * GT + r) * BLOCK_D + offs_d[None, :], mask=(l_s > 0)[:, None],
+                      other=0.0)
+        l = tl.sum(l_s * wgt, axis=0)
+        o = tl.sum(a_s * wgt[:, None], axis=0) / tl.where(l > 0, l, 1.0)
+        b = bj // HKV
+        head = (bj % HKV) * G + r // T
+        tl.store(out_ptr + b * sob + (r % T) * sot + head * soh + offs_d * sod, o.to(out_ptr.dtype.element_ty))
 
 
 # ------------------------------------------------------------------ launch
@@ -228,11 +198,10 @@ def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.dev
     return max(1, min(want, MAX_SPLITS, triton.cdiv(cache_len, MIN_SPLIT_KEYS)))
 
 
-@torch.library.triton_op("spec_graph::decode_attention", mutates_args=("sync",))
+@torch.library.triton_op("spec_graph::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                         slots: Optional[torch.Tensor], positions: torch.Tensor, window: int,
-                         scale: Optional[float], num_splits: int, sync: Optional[torch.Tensor]) -> torch.Tensor:
-    # every argument without a default: some torch versions drop a trailing default before indexing the mutated
+                         slots: Optional[torch.Tensor], positions: torch.Tensor, window: int = 0,
+                         scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
     if not use_kernel(_decode_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
     B, T, Hq, D = q.shape
@@ -249,9 +218,6 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pos = positions.contiguous()
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     direct = splits == 1
-    # the last split merges where each (row, kv head) has a counter (a symbolic batch: where its range proves it)
-    merge_last = (not direct and sync is not None and statically_known_true(G * T * splits <= MERGE_LAST_PARTIALS)
-                  and statically_known_true(B * Hkv <= sync.numel()))
     items = B * Hkv * splits
     if direct:
         ws_acc = ws_ml = out  # unused
@@ -264,19 +230,19 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qk_scale = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
     wrap_triton(_decode_attention_kernel)[(max(1, min(items, cap)),)](
         q, kc, vc, pos if slots is None else slots.contiguous(), pos, out, ws_acc, ws_ml,
-        sync if merge_last else ws_ml, B, T, Hkv, G, Lc, window if window > 0 else Lc, splits, qk_scale,
+        B, T, Hkv, G, Lc, window if window > 0 else Lc, splits, qk_scale,
         *s_q, *s_k, *s_v, pos.stride(0), pos.stride(1), *s_o,
-        HAS_SLOTS=slots is not None, DIRECT=direct, MERGE_LAST=merge_last, IEEE=q.dtype == torch.float32,
-        UPCAST=dev.type == "cpu", BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, BLOCK_S=block_for(splits), **LAUNCH)
-    if not direct and not merge_last:
+        HAS_SLOTS=slots is not None, DIRECT=direct, IEEE=q.dtype == torch.float32, UPCAST=dev.type == "cpu",
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, **LAUNCH)
+    if not direct:
         wrap_triton(_combine_kernel)[(max(1, min(B * Hkv * G * T, cap)),)](
             ws_acc, ws_ml, out, B, T, Hkv, G, splits, *s_o, BLOCK_S=block_for(splits), BLOCK_D=D)
     return out
 
 
 def decode_attention(q, k_cache, v_cache, layer: int, slots, positions, window: int = 0,
-                     scale: Optional[float] = None, num_splits: int = 0, sync=None) -> torch.Tensor:
+                     scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] over cache slot `slots[b]` of `layer`, up to each row's live length
     (op `spec_graph::decode_attention`; the module docstring has the contract)."""
     return torch.ops.spec_graph.decode_attention(q, k_cache, v_cache, int(layer), slots, positions, int(window),
-                                                 scale, int(num_splits), sync)
+                                                 scale, int(num_splits))

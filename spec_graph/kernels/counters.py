@@ -1,5 +1,4 @@
-"""Counters for "the last program to arrive finishes the work": split-K in decode_linear.py and the split merge
-in attention.py.
+"""Counters for "the last program to arrive finishes the work" (split-K in decode_linear.py).
 
 A `sync` buffer (new_sync) holds int32 zeros. Programs that each wrote a part count themselves into one slot;
 the one that brings it to n reads every part (with `.cg` loads: other multiprocessors wrote them), finishes,
@@ -11,7 +10,7 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
-SYNC_SLOTS = 1024  # counters in a `sync` buffer: column blocks one launch splits (attention: (row, kv head)s)
+SYNC_SLOTS = 1024  # counters in a `sync` buffer: column blocks one launch splits
 
 
 def new_sync(device=None) -> torch.Tensor:

@@ -13,7 +13,7 @@ the residual add in the epilogue. One kernel replaces a norm, a matmul and a poi
 - sync (each op's last argument, None for none; the ops take every argument, as some torch versions drop a
   trailing default before indexing the mutated ones): an int32 buffer of split-K counters (counters.new_sync),
   zeros between launches. With it a narrow product splits its K over several programs; without it each column
-  block is one program. Every launch on a stream may share one buffer (attention.py's merge counts in it too).
+  block is one program. Every launch on a stream may share one buffer.
 - Rounding follows the modules they replace in x's dtype: the norm rounds x * rstd, then norm_w * h; the
   matmul accumulates in fp32 and rounds once (bias added before); SiLU*up, RoPE and the residual add are
   computed in fp32 from the rounded matmul output and rounded once (as inductor fuses them).

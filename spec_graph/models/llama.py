@@ -167,14 +167,14 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
         """The same layer in four linear kernels with the norms, RoPE, SiLU*up and residual adds folded in
-        (sync: the counters of split-K and of attention's last-split merge, kernels/counters.py's new_sync)."""
+        (sync: split-K counters, kernels/counters.py's new_sync)."""
         B, T, _ = x.shape
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         q = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
                                   sin[:, :, 0], attn.n_heads, attn.head_dim, k_cache, v_cache, attn.layer,
                                   slots, positions, sync)
         out = decode_attention(q.view(B, T, attn.n_heads, attn.head_dim), k_cache, v_cache, attn.layer, slots,
-                               positions, attn.window, None, 0, sync)
+                               positions, attn.window)
         x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x, sync=sync)
         h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps, sync=sync)
         return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x, sync=sync)
@@ -202,8 +202,7 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        # counters of the fused linear kernels' split-K and of attention's last-split merge, shared by every layer
-        # (each launch leaves them zero)
+        # split-K counters of the fused linear kernels, shared by every layer (each launch leaves them zero)
         self.register_buffer("linear_sync", new_sync(), persistent=False)
 
     @property
