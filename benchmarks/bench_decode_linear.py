@@ -12,7 +12,10 @@ count M (B x positions), times
 Each timing captures REPS calls in one CUDA graph, each call on its own copy of the weights (as the layers
 of a forward: nothing is served from L2), and reports the median replay time / REPS. GB/s counts the
 weight bytes. --chain instead times each model's four products per layer chained through all its layers in one
-graph (a forward's linear kernels), against the weight bytes over the measured copy bandwidth. CUDA only.
+graph (a forward's linear kernels), against the weight bytes over the measured copy bandwidth, and beside them
+the same chain of plain streaming kernels (each reads its weight once and sums it: no norm, epilogue or split
+meeting; the best of a small grid of launch shapes) and of empty kernels: what any chain of separate kernels
+costs per kernel on this device. CUDA only.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import bench_step as bs  # noqa: E402
 from bench_attention import graphed  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.kernels import decode_linear as dl  # noqa: E402
+from spec_graph.kernels._triton import tl, triton  # noqa: E402
 from spec_graph.kernels.counters import new_sync  # noqa: E402
 
 REPS = 16
@@ -39,6 +43,21 @@ REPS = 16
 # rows, tensor-core sums above (warps and stages as launch_config picks them for the layer)
 GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))]
 GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
+# (programs per SM, BLOCK, num_warps) of the streaming baseline in --chain
+GRID_STREAM = list(itertools.product((1, 2, 4, 8), (2048, 8192), (4, 8)))
+
+
+@triton.jit
+def _stream_kernel(w_ptr, x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out[pid] = x[0] + sum of w's elements pid * BLOCK + [0, BLOCK), then every nprog * BLOCK after (grid-stride):
+    each weight element read once, and the result depends on the kernel before (x is its out)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0) + tl.load(x_ptr).to(tl.float32))
 
 
 def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
@@ -106,8 +125,22 @@ def chain(cfg: dict, M: int, dev, dt, sync):
     return run, sum(t.numel() * t.element_size() for layer in layers for t in layer)
 
 
+def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: bool = False):
+    """run: one _stream_kernel per matrix in order, each reading the one before's output (empty: reading no
+    weights, the cost of the launches and their order alone)."""
+    outs = [torch.zeros(programs, device=dev, dtype=torch.float32) for _ in range(2)]
+
+    def run():
+        for i, m in enumerate(mats):
+            _stream_kernel[(programs,)](m, outs[i % 2 - 1], outs[i % 2], 0 if empty else m.numel(), BLOCK=block,
+                                        num_warps=warps)
+        return outs[(len(mats) - 1) % 2]
+    return run
+
+
 def run_chain(plat, rows: str) -> None:
-    """Each model's linear kernels chained through its layers in one graph, against the bytes floor."""
+    """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
+    streaming and empty baselines over the same weights."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -123,6 +156,25 @@ def run_chain(plat, rows: str) -> None:
             n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
             print(f"| {model} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
                   flush=True)
+        torch.manual_seed(0)
+        H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+        Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        D = H // Hq
+        mats = [torch.randn(n, k, device=dev, dtype=dt) for _ in range(L)
+                for n, k in (((Hq + 2 * Hkv) * D, H), (H, Hq * D), (2 * I, H), (H, I))]
+        nbytes = sum(m.numel() * m.element_size() for m in mats)
+        floor, sms = nbytes / bw * 1e6, sg_platform.multiprocessors(dev)
+        timed_runs = []
+        for per_sm, block, warps in GRID_STREAM:
+            replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
+            timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (per_sm, block, warps)))
+        t, conf = min(timed_runs)
+        print(f"| {model} streaming baseline, best (programs/SM, BLOCK, warps) = {conf} | - | {len(mats)} | "
+              f"{t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / len(mats):.2f} |", flush=True)
+        replay, _ = graphed(plat, stream_chain(mats, dev, conf[0] * sms, conf[1], conf[2], empty=True))
+        t = bs.median_ms(replay, 20, warmup=3) * 1e3
+        print(f"| {model} empty kernels (no weight read) | - | {len(mats)} | {t:.1f} | 0 | 0 | {t / len(mats):.2f} |",
+              flush=True)
 
 
 def main() -> None:
@@ -138,8 +190,6 @@ def main() -> None:
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
         return run_chain(plat, a.rows)
-    import triton
-
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, triton {triton.__version__}")
