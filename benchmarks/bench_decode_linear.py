@@ -1,6 +1,6 @@
 """The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
 
-    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain]
+    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512]]
 
 For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
@@ -12,7 +12,8 @@ count M (B x positions), times
 Each timing captures REPS calls in one CUDA graph, each call on its own copy of the weights (as the layers
 of a forward: nothing is served from L2), and reports the median replay time / REPS. GB/s counts the
 weight bytes. --chain instead times each model's four products per layer chained through all its layers in one
-graph (a forward's linear kernels), against the weight bytes over the measured copy bandwidth, and beside them
+graph (a forward's linear kernels; --norm-blocks: once per NORM_BLOCK_K, the norm's step), against the weight
+bytes over the measured copy bandwidth, and beside them
 the same chain of plain streaming kernels (each reads its weight once and sums it: no norm, epilogue or split
 meeting; the best of a small grid of launch shapes) and of empty kernels: what any chain of separate kernels
 costs per kernel on this device. CUDA only.
@@ -138,7 +139,7 @@ def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: 
     return run
 
 
-def run_chain(plat, rows: str) -> None:
+def run_chain(plat, rows: str, norm_blocks: str = "0") -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
     streaming and empty baselines over the same weights."""
     dev, dt = plat.device, torch.bfloat16
@@ -149,13 +150,16 @@ def run_chain(plat, rows: str) -> None:
     print("| model | M | kernels | us per forward | weight MB | floor us | us per kernel above the floor |")
     print("|---|---|---|---|---|---|---|")
     for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
-        for M in (int(m) for m in rows.split(",")):
+        for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
+            dl.NORM_BLOCK_K = nb
             fn, nbytes = chain(cfg, M, dev, dt, sync)
             replay, _ = graphed(plat, fn)
             t = bs.median_ms(replay, 20, warmup=3) * 1e3
             n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
-            print(f"| {model} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
+            label = f"{model}, NORM_BLOCK_K {nb}" if "," in norm_blocks else model
+            print(f"| {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
                   flush=True)
+        dl.NORM_BLOCK_K = 0
         torch.manual_seed(0)
         H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -184,15 +188,17 @@ def main() -> None:
     ap.add_argument("--sweep-rows", default="1", help="row counts the sweep covers")
     ap.add_argument("--chain", action="store_true",
                     help="instead, time each model's products chained through its layers against the bytes floor")
+    ap.add_argument("--norm-blocks", default="0", help="--chain: NORM_BLOCK_K values (powers of two; 0: BLOCK_K)")
     a = ap.parse_args()
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
-        return run_chain(plat, a.rows)
+        return run_chain(plat, a.rows, a.norm_blocks)
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
-    print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
     print("| model | layer | M | N | K | cublas us | fused us | fused/cublas | fused GB/s | default config "
           "| best config | best us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -187,6 +187,22 @@ def test_split_k_meets_once_per_column_block():
     assert _close(stale[..., 16:], ref[..., 16:], torch.float32)  # the other column blocks met as they should
 
 
+@pytest.mark.parametrize("norm_block", [16, 64, 256])
+def test_norm_sums_any_block(norm_block, monkeypatch):
+    """The norm's sum of squares read in steps of NORM_BLOCK_K columns (K = 96: a partial last step at 64, one
+    masked step at 256) equals the reference. The control: with eps taken as 1.0 instead the outputs differ
+    (the norm's statistics reach the output)."""
+    _require_kernel()
+    monkeypatch.setattr(_dl, "NORM_BLOCK_K", norm_block)
+    g = torch.Generator().manual_seed(5)
+    x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
+    x = x * 0.05  # sums of squares near eps: a wrong one shows
+    with launch(True, 16, 32):
+        got = decode_gate_up(x, w, b, nw, 1e-3)
+    assert _close(got, decode_gate_up_ref(x, w, b, nw, 1e-3), torch.float32)
+    assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
+
+
 def test_broken_epilogues_are_caught():
     """The comparisons can fail: each reference with one part of its math changed differs from the kernel."""
     _require_kernel()

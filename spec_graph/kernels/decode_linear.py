@@ -42,6 +42,7 @@ MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
+NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares (0: the product's BLOCK_K; benchmarks vary it)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}
@@ -209,7 +210,7 @@ def _decode_linear_kernel(
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -242,7 +243,7 @@ def _decode_linear_kernel(
     n_ok = offs_n < N
     ra, rb, d = _pair_rows(offs_n, N, MODE, HALF)
     if HAS_NORM:
-        rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K)
+        rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
 
@@ -437,7 +438,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, SPLIT_K=split)
+        num_stages=stages, SPLIT_K=split, NORM_BLOCK=min(NORM_BLOCK_K, block_for(K)) or block_k)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
