@@ -1,11 +1,13 @@
 """Adaptive K's choices priced with a device's step times, on any machine: which chooser settings would win.
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
-        [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--device cpu]
+        [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
+        [--device cpu]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
-((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy, at each fixed K and at
-K="auto", and each run is priced as if each replay had taken ``times[K] + overhead`` ms (defaults: the H200 table
+((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy (or sampled at --temperature
+with one seed for every run), at each fixed K and at K="auto", and each run is priced as if each replay had
+taken ``times[K] + overhead`` ms (defaults: the H200 table
 the auto engine measured at B=1 for the embedded pair, and the host time per replay read from that run's
 fixed-K rows; RESULTS.md, 2026-12-01). The chooser sees ``times[K]`` as its table, plus the overhead for the
 variants marked "+h". Simulated tok/ms = generated tokens / priced time (prefills left out: equal for all).
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (token verification)")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     ks = [int(k) for k in a.k_set.split(",")]
@@ -55,24 +58,25 @@ def main() -> None:
     B, seed = a.batch_size, ba.SEED
     wl = {w: p[:a.prompts] for w, p in ba.workloads(a.prompts).items()}
     rows = {}
+    gen = lambda dec, w: dec.generate(wl[w], a.max_new_tokens, temperature=a.temperature, seed=seed).stats  # noqa
     for k in ks:
         dec = engine(k, B, max(ks), a.device)
-        rows[f"K={k}"] = [priced(dec.generate(wl[w], a.max_new_tokens, seed=seed).stats, times, a.overhead, k)
-                          for w in ba.WORKLOADS]
+        rows[f"K={k}"] = [priced(gen(dec, w), times, a.overhead, k) for w in ba.WORKLOADS]
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
     dec = engine(ba.AUTO, B, max(ks), a.device)
-    dec.step_times = {(True, B, k): 1e-3 * t for k, t in times.items()}
+    dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
     for decay in (float(d) for d in a.decays.split(",")):
         for with_h in (False, True):
             name = f"auto decay {decay}" + (" +h" if with_h else "")
             with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0):
-                out = [dec.generate(wl[w], a.max_new_tokens, seed=seed).stats for w in ba.WORKLOADS]
+                out = [gen(dec, w) for w in ba.WORKLOADS]
             rows[name] = [priced(s, times, a.overhead) for s in out]
             mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
             print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
                   + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
     best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
-    print("\n| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")
+    print(f"\ntemperature {a.temperature}")
+    print("| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")
     print("|---|---|---|---|")
     for n, r in rows.items():
         vs = " / ".join(f"{r[i] / best[w][0]:.3f}" for i, w in enumerate(ba.WORKLOADS[:2]))
