@@ -494,7 +494,7 @@ for mode, cols, K in ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLA
     splits.append(split)
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
-                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in const else "*i32" if n == "sync_ptr" else "*fp32" if n.endswith("_ptr")
                else "fp32" if n == "eps" else "i32")
