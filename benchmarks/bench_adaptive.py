@@ -1,7 +1,8 @@
 """End-to-end tokens/s of adaptive K and of block verification on the embedded default pair.
 
     python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
-        [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--repeats 3]
+        [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--skip-block]
+        [--repeats 3]
         [--pin-in-auto] [--chooser-variants 0.85,0.95-h] [--device cuda] [--out benchmarks/RESULTS.md]
 
 Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
@@ -94,7 +95,7 @@ def engine_plan(a) -> dict:
     if not a.skip_sampling:
         pinned = a.pin_in_auto and AUTO in a.sampling_ks  # the fixed K then run sampled in the auto engine too
         for k in a.sampling_ks:
-            for v in ("token", "block"):
+            for v in ("token",) if a.skip_block else ("token", "block"):
                 if not (pinned and v == "token" and k != AUTO):
                     plan[(k, v)].append("sampling")
     return dict(plan)
@@ -315,6 +316,7 @@ def parse_args():
     ap.add_argument("--sampling-ks", default="4", help="K values of the token vs block comparison")
     ap.add_argument("--skip-sampling", action="store_true")
     ap.add_argument("--skip-greedy", action="store_true", help="only the token vs block comparison")
+    ap.add_argument("--skip-block", action="store_true", help="sampled runs with token verification only")
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--chooser-variants", default="",
                     help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
