@@ -93,10 +93,11 @@ def engine_plan(a) -> dict:
     for k in [] if a.skip_greedy else fixed + [AUTO]:
         plan[(k, "token")].append("greedy")
     if not a.skip_sampling:
-        pinned = a.pin_in_auto and AUTO in a.sampling_ks  # the fixed K then run sampled in the auto engine too
+        # the fixed K of --k-set then run sampled in the auto token engine, pinned: no engine of their own
+        pinned = a.pin_in_auto and not a.skip_fixed and AUTO in a.sampling_ks
         for k in a.sampling_ks:
             for v in ("token",) if a.skip_block else ("token", "block"):
-                if not (pinned and v == "token" and k != AUTO):
+                if not (pinned and v == "token" and k in a.k_set):
                     plan[(k, v)].append("sampling")
     return dict(plan)
 
@@ -269,7 +270,7 @@ def targets(res, a) -> list[str]:
             for w in ("stdlib", "random"):
                 auto = res.get((B, mode, AUTO, "token", w))
                 fixed = {k: res[key]["tps"] for k in a.k_set if (key := (B, mode, k, "token", w)) in res}
-                if auto and fixed:
+                if auto and set(fixed) == set(a.k_set):  # every fixed K ran in this mode
                     best = max(fixed, key=fixed.get)
                     ratio = auto["tps"] / fixed[best]
                     L.append(f"- B={B} {w}{at}: auto {auto['tps']:.0f} tok/s vs best fixed K={best} "

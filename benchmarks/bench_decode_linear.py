@@ -150,16 +150,19 @@ def run_chain(plat, rows: str, norm_blocks: str = "0") -> None:
     print("| model | M | kernels | us per forward | weight MB | floor us | us per kernel above the floor |")
     print("|---|---|---|---|---|---|---|")
     for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
-        for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
-            dl.NORM_BLOCK_K = nb
-            fn, nbytes = chain(cfg, M, dev, dt, sync)
-            replay, _ = graphed(plat, fn)
-            t = bs.median_ms(replay, 20, warmup=3) * 1e3
-            n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
-            label = f"{model}, NORM_BLOCK_K {nb}" if "," in norm_blocks else model
-            print(f"| {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
-                  flush=True)
-        dl.NORM_BLOCK_K = 0
+        saved = dl.NORM_BLOCK_K
+        try:
+            for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
+                dl.NORM_BLOCK_K = nb
+                fn, nbytes = chain(cfg, M, dev, dt, sync)
+                replay, _ = graphed(plat, fn)
+                t = bs.median_ms(replay, 20, warmup=3) * 1e3
+                n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
+                label = f"{model}, NORM_BLOCK_K {nb}" if norm_blocks != "0" else model
+                print(f"| {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
+                      flush=True)
+        finally:
+            dl.NORM_BLOCK_K = saved
         torch.manual_seed(0)
         H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -190,6 +193,8 @@ def main() -> None:
                     help="instead, time each model's products chained through its layers against the bytes floor")
     ap.add_argument("--norm-blocks", default="0", help="--chain: NORM_BLOCK_K values (powers of two; 0: BLOCK_K)")
     a = ap.parse_args()
+    if a.norm_blocks != "0" and not a.chain:
+        ap.error("--norm-blocks goes with --chain")
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")

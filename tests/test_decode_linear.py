@@ -189,16 +189,27 @@ def test_split_k_meets_once_per_column_block():
 
 @pytest.mark.parametrize("norm_block", [16, 64, 256])
 def test_norm_sums_any_block(norm_block, monkeypatch):
-    """The norm's sum of squares read in steps of NORM_BLOCK_K columns (K = 96: a partial last step at 64, one
-    masked step at 256) equals the reference. The control: with eps taken as 1.0 instead the outputs differ
-    (the norm's statistics reach the output)."""
+    """The norm's sum of squares read in steps of NORM_BLOCK_K columns (K = 96: a partial last step at 64; 256
+    rounds down to one masked step of 128) equals the reference, and the launch hands the kernel that step. The
+    control: with eps taken as 1.0 instead the outputs differ (the norm's statistics reach the output)."""
     _require_kernel()
     monkeypatch.setattr(_dl, "NORM_BLOCK_K", norm_block)
+    steps, real = [], _dl.wrap_triton
+
+    def spy(kernel):  # records the NORM_BLOCK each launch passes
+        launcher = real(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: (steps.append(kw["NORM_BLOCK"]), launcher[grid](*a, **kw))[1]
+        return Grid()
+    monkeypatch.setattr(_dl, "wrap_triton", spy)
     g = torch.Generator().manual_seed(5)
     x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
     x = x * 0.05  # sums of squares near eps: a wrong one shows
     with launch(True, 16, 32):
         got = decode_gate_up(x, w, b, nw, 1e-3)
+    assert steps == [min(norm_block, 128)]
     assert _close(got, decode_gate_up_ref(x, w, b, nw, 1e-3), torch.float32)
     assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
 

@@ -42,7 +42,8 @@ MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
-NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares (0: the product's BLOCK_K; benchmarks vary it)
+NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares, rounded up to a power of two and at most K's
+# (0: the product's BLOCK_K; benchmarks vary it)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}
@@ -438,7 +439,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, SPLIT_K=split, NORM_BLOCK=min(NORM_BLOCK_K, block_for(K)) or block_k)
+        num_stages=stages, SPLIT_K=split, NORM_BLOCK=block_for(min(NORM_BLOCK_K, K)) if NORM_BLOCK_K > 0 else block_k)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
