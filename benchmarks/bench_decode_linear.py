@@ -99,18 +99,19 @@ def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
     return (lambda: [F.linear(x, w) for w in ws]), (lambda: [op(w) for w in ws])
 
 
-def chain(cfg: dict, M: int, dev, dt, sync):
-    """(run, weight bytes): run makes every layer's four fused products in order, each reading the one before (a
-    decode forward's linear kernels without attention: q's first H columns stand in for attention's output)."""
+def layer_weights(cfg: dict, dev, dt) -> list[tuple]:
+    """Each layer's (qkv, o, gate_up, down) weights, random, of layer_shapes' sizes."""
     torch.manual_seed(0)
-    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes = [(n, k) for _, n, k in layer_shapes(cfg)[:4]]
+    return [tuple(torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for n, k in shapes)
+            for _ in range(cfg["num_hidden_layers"])]
+
+
+def chain(cfg: dict, layers: list, M: int, dev, dt, sync):
+    """run: every layer's four fused products in order, each reading the one before (a decode forward's linear
+    kernels without attention: q's first H columns stand in for attention's output)."""
+    H, Hq, Hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = H // Hq
-
-    def w(n, k):
-        return torch.randn(n, k, device=dev, dtype=dt) / k**0.5
-
-    layers = [(w((Hq + 2 * Hkv) * D, H), w(H, Hq * D), w(2 * I, H), w(H, I)) for _ in range(L)]
     nw = torch.ones(H, device=dev, dtype=dt)
     cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
     x0 = torch.randn(M, H, device=dev, dtype=dt)
@@ -123,7 +124,7 @@ def chain(cfg: dict, M: int, dev, dt, sync):
             g = dl.decode_gate_up(h, gate_up, None, nw, 1e-6, sync=sync)
             h = dl.decode_linear(g, down, residual=h, sync=sync)
         return h
-    return run, sum(t.numel() * t.element_size() for layer in layers for t in layer)
+    return run
 
 
 def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: bool = False):
@@ -150,38 +151,31 @@ def run_chain(plat, rows: str, norm_blocks: str = "0") -> None:
     print("| model | M | kernels | us per forward | weight MB | floor us | us per kernel above the floor |")
     print("|---|---|---|---|---|---|---|")
     for model, cfg in (("target", bs.TARGET), ("draft", bs.DRAFT)):
+        layers = layer_weights(cfg, dev, dt)
+        mats = [m for layer in layers for m in layer]
+        n, nbytes = len(mats), sum(m.numel() * m.element_size() for m in mats)
+        floor, sms = nbytes / bw * 1e6, sg_platform.multiprocessors(dev)
         saved = dl.NORM_BLOCK_K
         try:
             for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
                 dl.NORM_BLOCK_K = nb
-                fn, nbytes = chain(cfg, M, dev, dt, sync)
-                replay, _ = graphed(plat, fn)
+                replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 t = bs.median_ms(replay, 20, warmup=3) * 1e3
-                n, floor = 4 * cfg["num_hidden_layers"], nbytes / bw * 1e6
                 label = f"{model}, NORM_BLOCK_K {nb}" if norm_blocks != "0" else model
                 print(f"| {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
                       flush=True)
         finally:
             dl.NORM_BLOCK_K = saved
-        torch.manual_seed(0)
-        H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-        Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        D = H // Hq
-        mats = [torch.randn(n, k, device=dev, dtype=dt) for _ in range(L)
-                for n, k in (((Hq + 2 * Hkv) * D, H), (H, Hq * D), (2 * I, H), (H, I))]
-        nbytes = sum(m.numel() * m.element_size() for m in mats)
-        floor, sms = nbytes / bw * 1e6, sg_platform.multiprocessors(dev)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
             timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (per_sm, block, warps)))
         t, conf = min(timed_runs)
-        print(f"| {model} streaming baseline, best (programs/SM, BLOCK, warps) = {conf} | - | {len(mats)} | "
-              f"{t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / len(mats):.2f} |", flush=True)
+        print(f"| {model} streaming baseline, best (programs/SM, BLOCK, warps) = {conf} | - | {n} | "
+              f"{t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |", flush=True)
         replay, _ = graphed(plat, stream_chain(mats, dev, conf[0] * sms, conf[1], conf[2], empty=True))
         t = bs.median_ms(replay, 20, warmup=3) * 1e3
-        print(f"| {model} empty kernels (no weight read) | - | {len(mats)} | {t:.1f} | 0 | 0 | {t / len(mats):.2f} |",
-              flush=True)
+        print(f"| {model} empty kernels (no weight read) | - | {n} | {t:.1f} | 0 | 0 | {t / n:.2f} |", flush=True)
 
 
 def main() -> None:
