@@ -46,6 +46,8 @@ GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4
 GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
 # (programs per SM, BLOCK, num_warps) of the streaming baseline in --chain
 GRID_STREAM = list(itertools.product((1, 2, 4, 8), (2048, 8192), (4, 8)))
+# (BLOCK_N, BLOCK_K, num_warps) of the plain one-row product baseline in --chain --ablate
+GRID_GEMV = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
 
 
 @triton.jit
@@ -59,6 +61,23 @@ def _stream_kernel(w_ptr, x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0) + tl.load(x_ptr).to(tl.float32))
+
+
+@triton.jit
+def _gemv_kernel(w_ptr, x_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n] = sum_k w[n, k] x[k] for n = pid * BLOCK_N + [0, BLOCK_N) < N, on CUDA cores (fp32 sums): a one-row
+    product with no norm, epilogue or split, the least a chain of separate product kernels can do."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
@@ -107,12 +126,13 @@ def layer_weights(cfg: dict, dev, dt) -> list[tuple]:
             for _ in range(cfg["num_hidden_layers"])]
 
 
-def chain(cfg: dict, layers: list, M: int, dev, dt, sync):
+def chain(cfg: dict, layers: list, M: int, dev, dt, sync, norm: bool = True, residual: bool = True):
     """run: every layer's four fused products in order, each reading the one before (a decode forward's linear
-    kernels without attention: q's first H columns stand in for attention's output)."""
+    kernels without attention: q's first H columns stand in for attention's output). sync None: no split-K;
+    norm / residual False: the products without their RMSNorm prologue / residual epilogue."""
     H, Hq, Hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = H // Hq
-    nw = torch.ones(H, device=dev, dtype=dt)
+    nw = torch.ones(H, device=dev, dtype=dt) if norm else None
     cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
     x0 = torch.randn(M, H, device=dev, dtype=dt)
 
@@ -120,10 +140,23 @@ def chain(cfg: dict, layers: list, M: int, dev, dt, sync):
         h = x0
         for qkv, o, gate_up, down in layers:
             q = dl.decode_qkv_rope(h, qkv, None, nw, 1e-6, cos, sin, Hq + Hkv, D, sync=sync)
-            h = dl.decode_linear(q[:, :Hq * D], o, residual=h, sync=sync)
+            h = dl.decode_linear(q[:, :Hq * D], o, residual=h if residual else None, sync=sync)
             g = dl.decode_gate_up(h, gate_up, None, nw, 1e-6, sync=sync)
-            h = dl.decode_linear(g, down, residual=h, sync=sync)
+            h = dl.decode_linear(g, down, residual=h if residual else None, sync=sync)
         return h
+    return run
+
+
+def gemv_chain(mats: list, dev, dt, block_n: int, block_k: int, warps: int):
+    """run: one _gemv_kernel per matrix in order, each multiplying the first columns of the one before's output."""
+    outs = [torch.randn(max(m.shape[0] for m in mats), device=dev, dtype=dt) for _ in range(2)]
+
+    def run():
+        for i, m in enumerate(mats):
+            N, K = m.shape
+            _gemv_kernel[(triton.cdiv(N, block_n),)](m, outs[i % 2 - 1], outs[i % 2], N, K, BLOCK_N=block_n,
+                                                     BLOCK_K=block_k, num_warps=warps)
+        return outs[(len(mats) - 1) % 2]
     return run
 
 
@@ -140,9 +173,10 @@ def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: 
     return run
 
 
-def run_chain(plat, rows: str, norm_blocks: str = "0") -> None:
+def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False) -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
-    streaming and empty baselines over the same weights."""
+    streaming and empty baselines over the same weights (ablate: also the fused chain without split-K, norm or
+    residual, and a chain of plain one-row products)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -166,6 +200,23 @@ def run_chain(plat, rows: str, norm_blocks: str = "0") -> None:
                       flush=True)
         finally:
             dl.NORM_BLOCK_K = saved
+
+        def row(label, M, t):
+            print(f"| {model} {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | "
+                  f"{(t - floor) / n:.2f} |", flush=True)
+        if ablate:
+            for M in (int(m) for m in rows.split(",")):
+                for label, split, norm, res in (("no split-K", False, True, True), ("no norm", True, False, True),
+                                                ("no residual", True, True, False),
+                                                ("no split-K, norm or residual", False, False, False)):
+                    replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync if split else None, norm, res))
+                    row(label, M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+            timed_runs = []
+            for block_n, block_k, warps in GRID_GEMV:
+                replay, _ = graphed(plat, gemv_chain(mats, dev, dt, block_n, block_k, warps))
+                timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (block_n, block_k, warps)))
+            for t, conf in sorted(timed_runs)[:3]:
+                row(f"plain one-row products (BLOCK_N, BLOCK_K, warps) = {conf}", 1, t)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
@@ -186,14 +237,16 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true",
                     help="instead, time each model's products chained through its layers against the bytes floor")
     ap.add_argument("--norm-blocks", default="0", help="--chain: NORM_BLOCK_K values (powers of two; 0: BLOCK_K)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="--chain: also without split-K, norm or residual, and plain one-row products")
     a = ap.parse_args()
-    if a.norm_blocks != "0" and not a.chain:
-        ap.error("--norm-blocks goes with --chain")
+    if (a.norm_blocks != "0" or a.ablate) and not a.chain:
+        ap.error("--norm-blocks and --ablate go with --chain")
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
-        return run_chain(plat, a.rows, a.norm_blocks)
+        return run_chain(plat, a.rows, a.norm_blocks, a.ablate)
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, "

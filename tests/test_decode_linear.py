@@ -444,8 +444,10 @@ class Forward(torch.nn.Module):
     def forward(self, tokens, positions, kc, vc):
         return self.model(tokens, positions, kc, vc)
 
-kc, vc = (torch.zeros(2, 4, 2, 32, 16) for _ in range(2))
-args = (torch.zeros(4, T, dtype=torch.long), torch.arange(T).expand(4, T).contiguous() + 8, kc, vc)
+dev = next(model.parameters()).device  # the test device: a GPU where there is one
+kc, vc = (torch.zeros(2, 4, 2, 32, 16, device=dev) for _ in range(2))
+args = (torch.zeros(4, T, dtype=torch.long, device=dev), torch.arange(T, device=dev).expand(4, T).contiguous() + 8,
+        kc, vc)
 batch = torch.export.Dim("B", min=1, max=4)
 try:
     with torch.no_grad():
