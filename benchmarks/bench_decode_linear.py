@@ -42,7 +42,7 @@ from spec_graph.kernels.counters import new_sync  # noqa: E402
 REPS = 16
 # (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS
 # rows, tensor-core sums above (warps and stages as launch_config picks them for the layer)
-GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4, 8), (128, 256, 512), (4, 8))]
+GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))]
 GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
 # (programs per SM, BLOCK, num_warps) of the streaming baseline in --chain
 GRID_STREAM = list(itertools.product((1, 2, 4, 8), (2048, 8192), (4, 8)))

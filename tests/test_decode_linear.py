@@ -187,6 +187,21 @@ def test_split_k_meets_once_per_column_block():
     assert _close(stale[..., 16:], ref[..., 16:], torch.float32)  # the other column blocks met as they should
 
 
+def _record_launches(monkeypatch, *keys) -> list:
+    """The list that each later kernel launch appends its `keys` constexprs to (a tuple per launch)."""
+    seen, real = [], _dl.wrap_triton
+
+    def spy(kernel):
+        launcher = real(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: (seen.append(tuple(kw[k] for k in keys)), launcher[grid](*a, **kw))[1]
+        return Grid()
+    monkeypatch.setattr(_dl, "wrap_triton", spy)
+    return seen
+
+
 @pytest.mark.parametrize("norm_block", [16, 64, 256])
 def test_norm_sums_any_block(norm_block, monkeypatch):
     """The norm's sum of squares read in steps of NORM_BLOCK_K columns (K = 96: a partial last step at 64; 256
@@ -194,24 +209,41 @@ def test_norm_sums_any_block(norm_block, monkeypatch):
     control: with eps taken as 1.0 instead the outputs differ (the norm's statistics reach the output)."""
     _require_kernel()
     monkeypatch.setattr(_dl, "NORM_BLOCK_K", norm_block)
-    steps, real = [], _dl.wrap_triton
-
-    def spy(kernel):  # records the NORM_BLOCK each launch passes
-        launcher = real(kernel)
-
-        class Grid:
-            def __getitem__(self, grid):
-                return lambda *a, **kw: (steps.append(kw["NORM_BLOCK"]), launcher[grid](*a, **kw))[1]
-        return Grid()
-    monkeypatch.setattr(_dl, "wrap_triton", spy)
+    steps = _record_launches(monkeypatch, "NORM_BLOCK")
     g = torch.Generator().manual_seed(5)
     x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
     x = x * 0.05  # sums of squares near eps: a wrong one shows
     with launch(True, 16, 32):
         got = decode_gate_up(x, w, b, nw, 1e-3)
-    assert steps == [min(norm_block, 128)]
+    assert steps == [(min(norm_block, 128),)]
     assert _close(got, decode_gate_up_ref(x, w, b, nw, 1e-3), torch.float32)
     assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
+
+
+def test_one_row_default_launch_sums_on_cuda_cores(monkeypatch):
+    """With no launch override, one row takes CUDA-core sums on 2 x 1024 tiles, unsplit, for every layer's kind
+    (K = 1100: a full tile, then a masked one), and equals the references; two rows and a vocabulary head take
+    tensor cores. The control: the last of x's columns changed, the output changes (the masked tile is read)."""
+    _require_kernel()
+    assert _dl.launch_config(1, 2048, 2048, False, 2, 132)[:3] == (False, 2, 1024)
+    assert _dl.launch_config(1, 1536, 2048, True, 2, 132, rope=True)[5] == 1
+    assert _dl.launch_config(2, 2048, 2048, False, 2, 132)[0] and _dl.launch_config(1, 32000, 2048, False)[0]
+    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K")
+    g = torch.Generator().manual_seed(5)
+    K, D = 1100, 16
+    x, w, b, nw = _dev(*_inputs(1, 1, K, 6 * D, torch.float32, True, True, g))
+    r = _dev(torch.randn(1, 1, 6 * D, generator=g))[0]
+    cos, sin = _dev(*_rope_tables(1, 1, D, torch.float32, g))
+    sync = new_sync(DEV)
+    got = [decode_linear(x, w, b, residual=r, sync=sync), decode_gate_up(x, w, b, nw, 1e-6, sync=sync),
+           decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, 4, D, sync=sync)]
+    want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6),
+            decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, 4, D)]
+    assert tiles == [(False, 2, 1024)] * 3
+    assert all(_close(a, c, torch.float32) for a, c in zip(got, want)) and not sync.any()
+    x2 = x.clone()
+    x2[..., -1] += 1.0
+    assert not _close(decode_linear(x2, w, b, residual=r, sync=sync), want[0], torch.float32)
 
 
 def test_broken_epilogues_are_caught():
@@ -501,33 +533,35 @@ itemsize = int(sys.argv[1])
 sms = 132 if itemsize == 4 else 0  # the control (2-byte tiles) unsplit: split launches take smaller tiles
 fn = dl._decode_linear_kernel
 out, splits = {}, []
-for mode, cols, K in ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLAIN, 4096, 14336)):
-    dot, bn, bk, warps, stages, split = dl.launch_config(4, cols, K, mode != dl.PLAIN, itemsize, sms,
+shapes = ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLAIN, 4096, 14336))
+for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
+    dot, bn, bk, warps, stages, split = dl.launch_config(rows, cols, K, mode != dl.PLAIN, itemsize, sms,
                                                          rope=mode == dl.ROPE)
     splits.append(split)
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
-                 BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk)
+                 BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in const else "*i32" if n == "sync_ptr" else "*fp32" if n.endswith("_ptr")
                else "fp32" if n == "eps" else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    out[mode] = k.metadata.shared
+    out[f"{rows} rows, mode {mode}"] = k.metadata.shared
 assert max(splits) > 1 or not sms, splits  # the split-K path (atomics, barrier) compiles too
 print(json.dumps(out))
 """
 
 
 def test_fp32_launches_fit_an_sm90s_shared_memory():
-    """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration needs at
-    most the 227 KiB of shared memory an H100/H200 program gets. The 2-byte configurations used for fp32 (the
-    control, unsplit) need more, so an fp32 model would fail at its first decode step. The fp32 qkv and
-    down_proj launches are split-K ones."""
+    """fp32 layers of an 8B-size model, compiled for sm90 on any machine: each launch configuration (4 rows on
+    tensor cores, 1 row on CUDA cores) needs at most the 227 KiB of shared memory an H100/H200 program gets. The
+    2-byte tensor-core configurations used for fp32 (the control, unsplit) need more, so an fp32 model would
+    fail at its first decode step. The fp32 qkv and down_proj launches are split-K ones."""
     shared = {itemsize: run_compiled_script(_SMEM_SCRIPT, itemsize, skip_without_ptxas=True) for itemsize in (4, 2)}
     assert max(shared[4].values()) <= 232448, shared
-    assert max(shared[2].values()) > 232448, shared
+    assert max(v for k, v in shared[2].items() if k.startswith("4 rows")) > 232448, shared
+    assert max(v for k, v in shared[2].items() if k.startswith("1 rows")) <= 232448, shared
 
 
 def _compiled_graphs(model, T: int, batches, bound=None) -> list:

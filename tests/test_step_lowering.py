@@ -111,7 +111,8 @@ def strides_unlike_traced(op):
 import torch._inductor.scheduler as scheduler
 scheduler.Scheduler.__init__ = read
 dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=4, max_len=64,
-                                                                 max_batch_size=rows, enable_graph=True))
+                                                                 max_batch_size=rows, enable_graph=True,
+                                                                 device="cpu"))  # the stand-in driver's device
 try:
     with torch.inference_mode():
         dec._step_fn(True)(*dec._step_args(min(rows, 2)))

@@ -34,7 +34,8 @@ from .counters import arrive_last, rearm
 from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
-CUDA_CORE_ROWS = 0  # up to this many rows the sums run on CUDA cores (measured slower on an H200: off)
+CUDA_CORE_ROWS = 1  # up to this many rows the sums run on CUDA cores (tensor cores measured faster above)
+VOCAB_COLS = 16384  # products this wide are vocabulary heads: tensor cores at any row count
 # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
 PLAIN, SILU_MUL, ROPE = 0, 1, 2
 FP32_BLOCK_K = 64  # fp32's K tile: at most about 50 KB of shared memory per program on sm90 (2 stages)
@@ -339,9 +340,10 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
                   rope: bool = False) -> tuple[bool, int, int, int, int, int]:
     """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes: the best of a sweep on an H200
     (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows, for 2-byte dtypes. Up to
-    CUDA_CORE_ROWS rows the sums run on CUDA cores (0: never; slower there), above on tensor cores. fp32
-    (itemsize 4) takes smaller K tiles and 2 stages: its exact (no TF32) sums with the 2-byte tiles need up to
-    260 KB of shared memory for sm90, more than any GPU has.
+    CUDA_CORE_ROWS rows the sums run on CUDA cores, unsplit, on 2 x 1024 tiles (the fastest chain of a model's
+    products on an H200: bench_decode_linear.py --chain), above on tensor cores. fp32 (itemsize 4) on tensor
+    cores takes smaller K tiles and 2 stages: its exact (no TF32) sums with the 2-byte tiles need up to 260 KB
+    of shared memory for sm90, more than any GPU has.
     Split-K (sms: the device's multiprocessors; 0: never) where the sweep found it faster: the qkv products
     (rope) and products whose sums are long for their outputs (k >= 2 cols: down_proj), on small tiles
     (SPLIT_TILES). o_proj, gate_up and the vocabulary heads measured slower or no faster split."""
@@ -353,7 +355,7 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
         split = split_k(triton.cdiv(cols, SPLIT_TILES[0]), k, SPLIT_TILES[1], sms)
         if split > 1:
             block_n, block_k = SPLIT_TILES
-    if itemsize >= 4:
+    if itemsize >= 4 and dot:
         block_k, stages = min(block_k, FP32_BLOCK_K), min(stages, 2)
     return dot, block_n, block_k, warps, stages, split
 
@@ -373,10 +375,10 @@ def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, in
     if LAUNCH:
         return (LAUNCH.get("DOT", rows > CUDA_CORE_ROWS), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
-    if rows <= CUDA_CORE_ROWS:
-        return False, 4, 256 if rows <= 2 else 128, 4, 2
+    if rows <= CUDA_CORE_ROWS and cols < VOCAB_COLS:
+        return False, 2, 1024, 4, 2  # long thin tiles: each thread keeps 16 weight loads in flight
     block_k = min(256, max(16, block_for(k)))
-    if cols >= 16384:  # vocabulary heads
+    if cols >= VOCAB_COLS:  # vocabulary heads
         return True, 64, min(128, block_k), 8, 3
     if paired and cols >= 4096:  # a large gate_up
         return True, 64, min(128, block_k), 8, 4
