@@ -1,6 +1,6 @@
 """The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
 
-    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512]]
+    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512] [--ablate]]
 
 For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
@@ -16,7 +16,9 @@ graph (a forward's linear kernels; --norm-blocks: once per NORM_BLOCK_K, the nor
 bytes over the measured copy bandwidth, and beside them
 the same chain of plain streaming kernels (each reads its weight once and sums it: no norm, epilogue or split
 meeting; the best of a small grid of launch shapes) and of empty kernels: what any chain of separate kernels
-costs per kernel on this device. CUDA only.
+costs per kernel on this device. --ablate adds the fused chain without split-K, without the norm and without
+the residual, and a chain of plain one-row products (no norm, epilogue or split: the best of a grid of tiles).
+CUDA only.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from spec_graph.kernels._triton import tl, triton  # noqa: E402
 from spec_graph.kernels.counters import new_sync  # noqa: E402
 
 REPS = 16
-# (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tried by --sweep: CUDA-core sums up to CUDA_CORE_ROWS
-# rows, tensor-core sums above (warps and stages as launch_config picks them for the layer)
+# (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tried by --sweep: CUDA-core sums where launch_config
+# picks them, tensor-core sums elsewhere (warps and stages as launch_config picks them for the layer)
 GRID_CUDA_CORES = [(False, n, k, w, 2, 1) for n, k, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))]
 GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
 # (programs per SM, BLOCK, num_warps) of the streaming baseline in --chain
@@ -264,7 +266,7 @@ def main() -> None:
                 default = dl.launch_config(M, N // 2 if paired else N, K, paired, 2, sms, rope=name == "qkv")
                 best, t_best = default, t_f
                 if a.sweep and str(M) in a.sweep_rows.split(","):
-                    grid = (GRID_CUDA_CORES if M <= dl.CUDA_CORE_ROWS else
+                    grid = (GRID_CUDA_CORES if not default[0] else
                             [(True, n, k, *default[3:5], s) for n, k, s in GRID_DOT])
                     tried = []
                     for conf in grid:

@@ -220,30 +220,48 @@ def test_norm_sums_any_block(norm_block, monkeypatch):
     assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
 
 
-def test_one_row_default_launch_sums_on_cuda_cores(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_default_launch_sums_on_cuda_cores(dtype, monkeypatch):
     """With no launch override, one row takes CUDA-core sums on 2 x 1024 tiles, unsplit, for every layer's kind
-    (K = 1100: a full tile, then a masked one), and equals the references; two rows and a vocabulary head take
-    tensor cores. The control: the last of x's columns changed, the output changes (the masked tile is read)."""
+    (K = 1100: a full tile, then a masked one), and equals the references, the k/v cache writes included; two
+    rows and a vocabulary head (not a gate_up as wide) take tensor cores. The control: the last of x's columns
+    changed, the output changes (the masked tile is read)."""
     _require_kernel()
-    assert _dl.launch_config(1, 2048, 2048, False, 2, 132)[:3] == (False, 2, 1024)
-    assert _dl.launch_config(1, 1536, 2048, True, 2, 132, rope=True)[5] == 1
-    assert _dl.launch_config(2, 2048, 2048, False, 2, 132)[0] and _dl.launch_config(1, 32000, 2048, False)[0]
-    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K")
+    assert _dl.launch_config(1, 2048, 2048, False, 2, 132) == (False, 2, 1024, 4, 2, 1)
+    assert _dl.launch_config(1, 1536, 2048, True, 4, 132, rope=True)[:3] == (False, 2, 1024)  # fp32 too
+    assert _dl.launch_config(2, 2048, 2048, False, 2, 132)[0]
+    assert _dl.launch_config(1, _dl.VOCAB_COLS, 2048, False)[0] and not _dl.launch_config(1, _dl.VOCAB_COLS - 1,
+                                                                                          2048, False)[0]
+    assert not _dl.launch_config(1, _dl.VOCAB_COLS, 2048, True)[0]
+    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K", "SPLIT_K")
     g = torch.Generator().manual_seed(5)
-    K, D = 1100, 16
-    x, w, b, nw = _dev(*_inputs(1, 1, K, 6 * D, torch.float32, True, True, g))
-    r = _dev(torch.randn(1, 1, 6 * D, generator=g))[0]
-    cos, sin = _dev(*_rope_tables(1, 1, D, torch.float32, g))
+    K, D, Hq, Hkv, Lc = 1100, 16, 4, 1, 12
+    x, w, b, nw = _dev(*_inputs(1, 1, K, (Hq + 2 * Hkv) * D, dtype, True, True, g))
+    r = _dev(torch.randn(1, 1, (Hq + 2 * Hkv) * D, generator=g).to(dtype))[0]
+    cos, sin = _dev(*_rope_tables(1, 1, D, dtype, g))
+    caches = [torch.randn(2, 3, Hkv, Lc, D, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    kc, vc = (c.clone() for c in caches)
+    slots, positions = torch.tensor([2], device=DEV), torch.tensor([[5]], device=DEV)
     sync = new_sync(DEV)
     got = [decode_linear(x, w, b, residual=r, sync=sync), decode_gate_up(x, w, b, nw, 1e-6, sync=sync),
-           decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, 4, D, sync=sync)]
-    want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6),
-            decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, 4, D)]
-    assert tiles == [(False, 2, 1024)] * 3
-    assert all(_close(a, c, torch.float32) for a, c in zip(got, want)) and not sync.any()
+           decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D, sync=sync),
+           _dl.decode_qkv_rope_cache(x, w, b, nw, 1e-6, cos, sin, Hq, D, kc, vc, 1, slots, positions, sync=sync)]
+    qkv = decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D)
+    want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6), qkv,
+            qkv[..., :Hq * D].contiguous()]
+    assert tiles == [(False, 2, 1024, 1)] * 4 and not sync.any()
+
+    def close(a, c):  # bf16: within a rounding of the largest output (a product rounded the other way moves)
+        bound = 1e-4 if dtype == torch.float32 else 2 ** -7 * c.float().abs().max().item() + 1e-2
+        return a.shape == c.shape and (a.float() - c.float()).abs().max().item() <= bound
+    assert all(close(a, c) for a, c in zip(got, want))
+    want_k, want_v = (c.clone() for c in caches)
+    k, v = qkv[..., Hq * D:].split(Hkv * D, dim=-1)
+    _dl.write_kv_ref(want_k, want_v, 1, slots, positions, k.reshape(1, 1, Hkv, D), v.reshape(1, 1, Hkv, D))
+    assert close(kc, want_k) and close(vc, want_v) and torch.equal(kc[:, :2], caches[0][:, :2])
     x2 = x.clone()
     x2[..., -1] += 1.0
-    assert not _close(decode_linear(x2, w, b, residual=r, sync=sync), want[0], torch.float32)
+    assert not close(decode_linear(x2, w, b, residual=r, sync=sync), want[0])
 
 
 def test_broken_epilogues_are_caught():
@@ -367,14 +385,16 @@ def _forward(model, fused: bool, monkeypatch, tokens, positions, cache, slots=No
         return model(tokens, positions, kc, vc, slots), kc, vc
 
 
-@pytest.mark.parametrize("dtype,bias,T,slotted,split", [
-    (torch.float32, False, 5, False, False), (torch.float32, True, 3, False, False),
-    (torch.bfloat16, False, 5, False, False), (torch.bfloat16, True, 1, False, False),
-    (torch.float32, False, 3, True, False), (torch.float32, True, 5, True, True),
-    (torch.bfloat16, False, 1, False, True)])
-def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, monkeypatch):
+@pytest.mark.parametrize("dtype,bias,T,slotted,split,B", [
+    (torch.float32, False, 5, False, False, 2), (torch.float32, True, 3, False, False, 2),
+    (torch.bfloat16, False, 5, False, False, 2), (torch.bfloat16, True, 1, False, False, 2),
+    (torch.float32, False, 3, True, False, 2), (torch.float32, True, 5, True, True, 2),
+    (torch.bfloat16, False, 1, False, True, 2), (torch.float32, True, 1, True, False, 1),
+    (torch.bfloat16, False, 1, False, False, 1)])
+def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, B, monkeypatch):
     """A verify (T=5: 10 rows) or draft forward (T=1, 3: 2 and 6 rows) of two batch rows at
-    different lengths: logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
+    different lengths, or a one-row forward (B=1, T=1: the CUDA-core launches):
+    logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
     broken (residual dropped) they do not. Slotted: the rows live in cache slots 2 and 0 of 3 (the k/v
     writes follow `slots`; slot 1 stays as it was). Split: every product split-K over 4 programs per column
     block (3 for down_proj, whose 6 K tiles round to 3 ranges), through the model's shared counters (left at
@@ -384,11 +404,11 @@ def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, monkeypa
     if split:
         monkeypatch.setattr(_dl, "LAUNCH", dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4))
         monkeypatch.setattr(importlib.import_module("spec_graph.kernels.attention"), "MIN_SPLIT_KEYS", 8)
-    B, Lc = 2, 48
+    Lc = 48
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (B, T), generator=g).to(DEV)
-    positions = (torch.tensor([[7], [30]]) + torch.arange(T)).to(DEV)
-    n_slots, slots = (3, torch.tensor([2, 0]).to(DEV)) if slotted else (B, None)
+    positions = (torch.tensor([[7], [30]])[:B] + torch.arange(T)).to(DEV)
+    n_slots, slots = (3, torch.tensor([2, 0])[:B].to(DEV)) if slotted else (B, None)
     cache = [(torch.randn(2, n_slots, 2, Lc, 16, generator=g) * 0.5).to(dtype).to(DEV) for _ in range(2)]
     want, wk, wv = _forward(model, False, monkeypatch, tokens, positions, cache, slots)
     got, gk, gv = _forward(model, True, monkeypatch, tokens, positions, cache, slots)
@@ -542,8 +562,10 @@ for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
                  BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    sig = {n: ("constexpr" if n in const else "*i32" if n == "sync_ptr" else "*fp32" if n.endswith("_ptr")
-               else "fp32" if n == "eps" else "i32")
+    # tensors fp32 but for the 2-byte one-row launches (the 4-row control: the 2-byte tiles on fp32 data)
+    ptr = "*bf16" if rows == 1 and itemsize == 2 else "*fp32"
+    sig = {n: ("constexpr" if n in const else "*i32" if n == "sync_ptr" else "*fp32" if n == "ws_ptr"
+               else ptr if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

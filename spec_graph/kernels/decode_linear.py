@@ -35,10 +35,10 @@ from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 1  # up to this many rows the sums run on CUDA cores (tensor cores measured faster above)
-VOCAB_COLS = 16384  # products this wide are vocabulary heads: tensor cores at any row count
+VOCAB_COLS = 16384  # unpaired products this wide are vocabulary heads: tensor cores at any row count
 # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
 PLAIN, SILU_MUL, ROPE = 0, 1, 2
-FP32_BLOCK_K = 64  # fp32's K tile: at most about 50 KB of shared memory per program on sm90 (2 stages)
+FP32_BLOCK_K = 64  # fp32's K tile on tensor cores: at most about 50 KB of shared memory per program on sm90
 MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
@@ -338,12 +338,13 @@ def _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, c
 # ------------------------------------------------------------------ launch
 def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2, sms: int = 0,
                   rope: bool = False) -> tuple[bool, int, int, int, int, int]:
-    """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes: the best of a sweep on an H200
-    (benchmarks/bench_decode_linear.py --sweep) per kind of layer, at 1-5 rows, for 2-byte dtypes. Up to
-    CUDA_CORE_ROWS rows the sums run on CUDA cores, unsplit, on 2 x 1024 tiles (the fastest chain of a model's
-    products on an H200: bench_decode_linear.py --chain), above on tensor cores. fp32 (itemsize 4) on tensor
-    cores takes smaller K tiles and 2 stages: its exact (no TF32) sums with the 2-byte tiles need up to 260 KB
-    of shared memory for sm90, more than any GPU has.
+    """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes, measured on an H200 for 2-byte
+    dtypes. Up to CUDA_CORE_ROWS rows (cuda_core_sums) the sums run on CUDA cores, unsplit, on tiles of 2
+    columns x up to 1024 of K (the fastest chain of a model's products: bench_decode_linear.py --chain). Above,
+    and for vocabulary heads, on tensor cores, with the best tiles of a sweep per kind of layer at 2-5 rows
+    (bench_decode_linear.py --sweep). fp32 (itemsize 4) on tensor cores takes smaller K tiles and 2 stages: its
+    exact (no TF32) sums with the 2-byte tiles need up to 260 KB of shared memory for sm90, more than any GPU
+    has.
     Split-K (sms: the device's multiprocessors; 0: never) where the sweep found it faster: the qkv products
     (rope) and products whose sums are long for their outputs (k >= 2 cols: down_proj), on small tiles
     (SPLIT_TILES). o_proj, gate_up and the vocabulary heads measured slower or no faster split."""
@@ -371,14 +372,19 @@ def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
     return split
 
 
+def cuda_core_sums(rows: int, cols: int, paired: bool) -> bool:
+    """Whether a product of this many rows and output columns sums on CUDA cores by default."""
+    return rows <= CUDA_CORE_ROWS and (paired or cols < VOCAB_COLS)
+
+
 def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
     if LAUNCH:
-        return (LAUNCH.get("DOT", rows > CUDA_CORE_ROWS), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
+        return (LAUNCH.get("DOT", not cuda_core_sums(rows, cols, paired)), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
-    if rows <= CUDA_CORE_ROWS and cols < VOCAB_COLS:
-        return False, 2, 1024, 4, 2  # long thin tiles: each thread keeps 16 weight loads in flight
+    if cuda_core_sums(rows, cols, paired):  # long thin tiles: each thread keeps 16 weight loads in flight
+        return False, 2, min(1024, max(16, block_for(k))), 4, 2
     block_k = min(256, max(16, block_for(k)))
-    if cols >= VOCAB_COLS:  # vocabulary heads
+    if cols >= VOCAB_COLS:  # vocabulary heads (and the widest gate_up products)
         return True, 64, min(128, block_k), 8, 3
     if paired and cols >= 4096:  # a large gate_up
         return True, 64, min(128, block_k), 8, 4
