@@ -50,6 +50,12 @@ GRID_DOT = list(itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)))
 GRID_STREAM = list(itertools.product((1, 2, 4, 8), (2048, 8192), (4, 8)))
 # (BLOCK_N, BLOCK_K, num_warps) of the plain one-row product baseline in --chain --ablate
 GRID_GEMV = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
+# --chain --one-row-grid: CUDA_CORE_TILES entries (BLOCK_N, BLOCK_K, num_warps, num_stages) tried one at a time
+# for the unpaired products (o_proj, down_proj) and the paired ones (qkv, gate_up), and NORM_BLOCK_K values
+ONE_ROW_UNPAIRED = [(1, 1024, 4, 2), (2, 1024, 4, 1), (2, 1024, 4, 3), (2, 1024, 2, 2), (2, 1024, 8, 2),
+                    (2, 2048, 8, 2), (4, 512, 4, 2)]
+ONE_ROW_PAIRED = [(1, 1024, 4, 2), (1, 1024, 2, 2), (1, 2048, 4, 2), (2, 1024, 4, 1), (2, 1024, 8, 2)]
+ONE_ROW_NORM_BLOCKS = [128, 256, 512]
 
 
 @triton.jit
@@ -175,10 +181,32 @@ def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: 
     return run
 
 
-def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False) -> None:
+def one_row_variants() -> list[tuple[str, dict, int]]:
+    """(label, CUDA_CORE_TILES, NORM_BLOCK_K) of --one-row-grid: the default, then one change at a time."""
+    base = dict(dl.CUDA_CORE_TILES)
+    out = [("one-row default", base, 0)]
+    out += [(f"one-row unpaired {t}", {**base, False: t}, 0) for t in ONE_ROW_UNPAIRED]
+    out += [(f"one-row paired {t}", {**base, True: t}, 0) for t in ONE_ROW_PAIRED]
+    return out + [(f"one-row NORM_BLOCK_K {nb}", base, nb) for nb in ONE_ROW_NORM_BLOCKS]
+
+
+def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
+    """The chain at one row under each of one_row_variants, the module's settings restored after."""
+    dev, dt = plat.device, torch.bfloat16
+    saved = dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K
+    try:
+        for label, tiles, nb in one_row_variants():
+            dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K = tiles, nb
+            replay, _ = graphed(plat, chain(cfg, layers, 1, dev, dt, sync))
+            row(f" {label}", 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
+    finally:
+        dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K = saved
+
+
+def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False) -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
     streaming and empty baselines over the same weights (ablate: also the fused chain without split-K, norm or
-    residual, and a chain of plain one-row products)."""
+    residual, and a chain of plain one-row products; one_row_grid: one row under other CUDA-core tiles)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -191,34 +219,33 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False) -> 
         mats = [m for layer in layers for m in layer]
         n, nbytes = len(mats), sum(m.numel() * m.element_size() for m in mats)
         floor, sms = nbytes / bw * 1e6, sg_platform.multiprocessors(dev)
+
+        def row(label, M, t):
+            print(f"| {model}{label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | "
+                  f"{(t - floor) / n:.2f} |", flush=True)
         saved = dl.NORM_BLOCK_K
         try:
             for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
                 dl.NORM_BLOCK_K = nb
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
-                t = bs.median_ms(replay, 20, warmup=3) * 1e3
-                label = f"{model}, NORM_BLOCK_K {nb}" if norm_blocks != "0" else model
-                print(f"| {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |",
-                      flush=True)
+                row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
             dl.NORM_BLOCK_K = saved
-
-        def row(label, M, t):
-            print(f"| {model} {label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | "
-                  f"{(t - floor) / n:.2f} |", flush=True)
+        if one_row_grid:
+            run_one_row_grid(plat, cfg, layers, sync, row)
         if ablate:
             for M in (int(m) for m in rows.split(",")):
                 for label, split, norm, res in (("no split-K", False, True, True), ("no norm", True, False, True),
                                                 ("no residual", True, True, False),
                                                 ("no split-K, norm or residual", False, False, False)):
                     replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync if split else None, norm, res))
-                    row(label, M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                    row(f" {label}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
             timed_runs = []
             for block_n, block_k, warps in GRID_GEMV:
                 replay, _ = graphed(plat, gemv_chain(mats, dev, dt, block_n, block_k, warps))
                 timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (block_n, block_k, warps)))
             for t, conf in sorted(timed_runs)[:3]:
-                row(f"plain one-row products (BLOCK_N, BLOCK_K, warps) = {conf}", 1, t)
+                row(f" plain one-row products (BLOCK_N, BLOCK_K, warps) = {conf}", 1, t)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
@@ -241,14 +268,16 @@ def main() -> None:
     ap.add_argument("--norm-blocks", default="0", help="--chain: NORM_BLOCK_K values (powers of two; 0: BLOCK_K)")
     ap.add_argument("--ablate", action="store_true",
                     help="--chain: also without split-K, norm or residual, and plain one-row products")
+    ap.add_argument("--one-row-grid", action="store_true",
+                    help="--chain: also one row under other CUDA-core tiles and norm steps, one change at a time")
     a = ap.parse_args()
-    if (a.norm_blocks != "0" or a.ablate) and not a.chain:
-        ap.error("--norm-blocks and --ablate go with --chain")
+    if (a.norm_blocks != "0" or a.ablate or a.one_row_grid) and not a.chain:
+        ap.error("--norm-blocks, --ablate and --one-row-grid go with --chain")
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
-        return run_chain(plat, a.rows, a.norm_blocks, a.ablate)
+        return run_chain(plat, a.rows, a.norm_blocks, a.ablate, a.one_row_grid)
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, "

@@ -36,6 +36,9 @@ from .rng import block_for, use_kernel, wrap_triton
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 1  # up to this many rows the sums run on CUDA cores (tensor cores measured faster above)
 VOCAB_COLS = 16384  # unpaired products this wide are vocabulary heads: tensor cores at any row count
+# (BLOCK_N, BLOCK_K at most, num_warps, num_stages) of CUDA-core launches, by whether the product is paired
+# (a paired program reads 2 x BLOCK_N weight rows)
+CUDA_CORE_TILES = {False: (2, 1024, 4, 2), True: (2, 1024, 4, 2)}
 # epilogue modes (the kernel spells them as literals: Triton reads globals as constexprs only)
 PLAIN, SILU_MUL, ROPE = 0, 1, 2
 FP32_BLOCK_K = 64  # fp32's K tile on tensor cores: at most about 50 KB of shared memory per program on sm90
@@ -382,7 +385,8 @@ def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, in
         return (LAUNCH.get("DOT", not cuda_core_sums(rows, cols, paired)), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
     if cuda_core_sums(rows, cols, paired):  # long thin tiles: each thread keeps 16 weight loads in flight
-        return False, 2, min(1024, max(16, block_for(k))), 4, 2
+        block_n, block_k, warps, stages = CUDA_CORE_TILES[paired]
+        return False, block_n, min(block_k, max(16, block_for(k))), warps, stages
     block_k = min(256, max(16, block_for(k)))
     if cols >= VOCAB_COLS:  # vocabulary heads (and the widest gate_up products)
         return True, 64, min(128, block_k), 8, 3
