@@ -2,7 +2,7 @@
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
         [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
-        [--device cpu]
+        [--device cpu] [--prior-shrinks 0.9:4]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
 ((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy (or sampled at --temperature
@@ -15,6 +15,7 @@ variants marked "+h". Simulated tok/ms = generated tokens / priced time (prefill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_adaptive as ba  # noqa: E402
-from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 
 def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
@@ -31,6 +32,25 @@ def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
     cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=ba.MAX_LEN, device=device,
                           batch_buckets=(B,), **kw)
     return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
+
+
+@contextlib.contextmanager
+def prior_as(shrink: float, weight: float):
+    """The chooser's rates with another prior for each position: the rate of the one before it times `shrink`
+    (1: as the engine has it), weighing `weight` row-steps against the observations."""
+    real = adaptive.KChooser.rates
+
+    def rates(self):
+        out, prev = [], adaptive.PRIOR_RATE
+        for r, acc in zip(self.reached, self.accepted):
+            prev = (acc + weight * shrink * prev) / (r + weight)
+            out.append(prev)
+        return out
+    adaptive.KChooser.rates = rates
+    try:
+        yield
+    finally:
+        adaptive.KChooser.rates = real
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
@@ -50,6 +70,9 @@ def main() -> None:
     ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (token verification)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prior-shrinks", default="",
+                    help="also the engine's chooser (+h) with other priors per position, as shrink:weight pairs "
+                         "(0.9:4: the rate of the position before x 0.9, weighing 4 row-steps)")
     a = ap.parse_args()
     ks = [int(k) for k in a.k_set.split(",")]
     times = dict(zip(ks, (float(t) for t in a.times.split(","))))
@@ -65,15 +88,19 @@ def main() -> None:
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
     dec = engine(ba.AUTO, B, max(ks), a.device)
     dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
-    for decay in (float(d) for d in a.decays.split(",")):
-        for with_h in (False, True):
-            name = f"auto decay {decay}" + (" +h" if with_h else "")
-            with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0):
-                out = [gen(dec, w) for w in ba.WORKLOADS]
-            rows[name] = [priced(s, times, a.overhead) for s in out]
-            mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
-            print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
-                  + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
+    variants = [(f"auto decay {d}" + (" +h" if h else ""), d, h, 1.0, adaptive.PRIOR_WEIGHT)
+                for d in (float(x) for x in a.decays.split(",")) for h in (False, True)]
+    for item in (x for x in a.prior_shrinks.split(",") if x):
+        shrink, weight = (float(v) for v in item.split(":"))
+        variants += [(f"auto decay {d} +h, prior x{shrink} weight {weight:g}", d, True, shrink, weight)
+                     for d in (float(x) for x in a.decays.split(","))]
+    for name, decay, with_h, shrink, weight in variants:
+        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0), prior_as(shrink, weight):
+            out = [gen(dec, w) for w in ba.WORKLOADS]
+        rows[name] = [priced(s, times, a.overhead) for s in out]
+        mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
+        print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
+              + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
     best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
     print(f"\ntemperature {a.temperature}")
     print("| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")
