@@ -384,7 +384,7 @@ def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, in
     if LAUNCH:
         return (LAUNCH.get("DOT", not cuda_core_sums(rows, cols, paired)), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
-    if cuda_core_sums(rows, cols, paired):  # long thin tiles: each thread keeps 16 weight loads in flight
+    if cuda_core_sums(rows, cols, paired):  # long thin tiles: 16 weight elements per thread and K step in flight
         block_n, block_k, warps, stages = CUDA_CORE_TILES[paired]
         return False, block_n, min(block_k, max(16, block_for(k))), warps, stages
     block_k = min(256, max(16, block_for(k)))
