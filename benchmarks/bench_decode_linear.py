@@ -251,8 +251,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
             timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (per_sm, block, warps)))
         t, conf = min(timed_runs)
-        print(f"| {model} streaming baseline, best (programs/SM, BLOCK, warps) = {conf} | - | {n} | "
-              f"{t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | {(t - floor) / n:.2f} |", flush=True)
+        row(f" streaming baseline, best (programs/SM, BLOCK, warps) = {conf}", "-", t)
         replay, _ = graphed(plat, stream_chain(mats, dev, conf[0] * sms, conf[1], conf[2], empty=True))
         t = bs.median_ms(replay, 20, warmup=3) * 1e3
         print(f"| {model} empty kernels (no weight read) | - | {n} | {t:.1f} | 0 | 0 | {t / n:.2f} |", flush=True)
