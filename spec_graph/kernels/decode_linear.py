@@ -128,12 +128,13 @@ def _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K: tl.constexpr):
     """rsqrt(mean_k x[m, k]^2 + eps) per row m, in fp32."""
     eps = tl.cast(eps, tl.float32)  # inductor passes Python floats as fp64
     offs_k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros(offs_m.shape, tl.float32)
+    ss2 = tl.zeros([offs_m.shape[0], BLOCK_K], tl.float32)  # per-thread partial sums: one reduction at the end
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         xk = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
                      other=0.0).to(tl.float32)
-        ss += tl.sum(xk * xk, axis=1)
+        ss2 += xk * xk
+    ss = tl.sum(ss2, axis=1)
     return tl.rsqrt(ss / K + eps)
 
 
@@ -255,6 +256,9 @@ def _decode_linear_kernel(
     if DOT:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    elif BLOCK_M == 1:  # one row: a 2-D [BLOCK_N, BLOCK_K] accumulator in the weight tile's own (loaded) layout
+        acc2_a = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc2_b = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
@@ -268,6 +272,9 @@ def _decode_linear_kernel(
         wa = tl.load(wa_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT:
             acc_a += _dot_t(xk, wa, IEEE, UPCAST)
+        elif BLOCK_M == 1:
+            xf = xk.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N weight rows
+            acc2_a += xf * wa.to(tl.float32)
         else:
             xf = xk.to(tl.float32)[:, None, :]
             acc3_a += xf * wa.to(tl.float32)[None, :, :]
@@ -275,11 +282,17 @@ def _decode_linear_kernel(
             wb = tl.load(wb_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if DOT:
                 acc_b += _dot_t(xk, wb, IEEE, UPCAST)
+            elif BLOCK_M == 1:
+                acc2_b += xf * wb.to(tl.float32)
             else:
                 acc3_b += xf * wb.to(tl.float32)[None, :, :]
     if not DOT:
-        acc_a = tl.sum(acc3_a, axis=2)
-        acc_b = tl.sum(acc3_b, axis=2)
+        if BLOCK_M == 1:
+            acc_a = tl.sum(acc2_a, axis=1)[None, :]
+            acc_b = tl.sum(acc2_b, axis=1)[None, :]
+        else:
+            acc_a = tl.sum(acc3_a, axis=2)
+            acc_b = tl.sum(acc3_b, axis=2)
     last = True
     if SPLIT_K > 1:
         acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
