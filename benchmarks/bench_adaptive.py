@@ -110,21 +110,23 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
 
 
 @contextlib.contextmanager
-def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0):
+def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0, rows: bool = True):
     """The auto engine's chooser replaced, for the calls inside: one that always picks K=`pin` (it still reads the
     counters; the engine then runs its own K graph, as a fixed-K engine would, with no compile of its own), or one
     with another decay and `host_ms` added to every K's time per step (negative: taken off; a chooser variant on
-    the same graphs)."""
+    the same graphs); rows=False: blind to the work each row has left (the most tokens per second over all
+    rows at every replay)."""
     real = sg_runtime.KChooser
 
     class Variant(real):
         def __init__(self, choices):
             super().__init__(choices, DECAY if decay is None else decay)
 
-        def choose(self, times):
+        def choose(self, times, remaining=None, queued=0):
             if pin is not None:
                 return pin
-            return super().choose({k: t + host_ms / 1e3 for k, t in times.items()})
+            times = {k: t + host_ms / 1e3 for k, t in times.items()}
+            return super().choose(times, remaining, queued) if rows else super().choose(times)
 
     sg_runtime.KChooser = Variant
     try:
@@ -133,17 +135,19 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
         sg_runtime.KChooser = real
 
 
-def chooser_variants(spec: str) -> list[tuple[str, float, float | None]]:
-    """"0.85,0.9+0.09,0.95-h" -> [("0.85", 0.85, 0.0), ("0.9+0.09", 0.9, 0.09), ("0.95-h", 0.95, None)]: the
-    decay per row-step, then host ms per replay added to the engine's step times; "-h": without the host time
-    the engine measured (None)."""
+def chooser_variants(spec: str) -> list[tuple[str, float, float | None, bool]]:
+    """"0.85,0.9+0.09,0.95-h,0.85:blind" -> [("0.85", 0.85, 0.0, True), ("0.9+0.09", 0.9, 0.09, True),
+    ("0.95-h", 0.95, None, True), ("0.85:blind", 0.85, 0.0, False)]: the decay per row-step, then host ms per
+    replay added to the engine's step times ("-h": without the host time the engine measured, None); ":blind":
+    a chooser blind to the work each row has left."""
     out = []
     for item in (x for x in spec.split(",") if x):
-        if item.endswith("-h"):
-            out.append((item, float(item[:-2]), None))
+        body, blind = (item[:-6], True) if item.endswith(":blind") else (item, False)
+        if body.endswith("-h"):
+            out.append((item, float(body[:-2]), None, not blind))
             continue
-        decay, _, host = item.partition("+")
-        out.append((item, float(decay), float(host or 0.0)))
+        decay, _, host = body.partition("+")
+        out.append((item, float(decay), float(host or 0.0), not blind))
     return out
 
 
@@ -185,8 +189,9 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
         if k == AUTO and mode == "greedy":
             # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
             own_ms = 1e3 * dec.host_times.get((True, B), 0.0) / a.steps_per_graph
-            runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h / a.steps_per_graph))
-                     for name, d, h in chooser_variants(a.chooser_variants)]
+            runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h / a.steps_per_graph,
+                                             rows=rows))
+                     for name, d, h, rows in chooser_variants(a.chooser_variants)]
         if k == AUTO and verification == "token" and a.pin_in_auto and not a.skip_fixed:
             runs += [(pin, dict(pin=pin)) for pin in a.k_set]
         # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that
@@ -321,7 +326,8 @@ def parse_args():
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--chooser-variants", default="",
                     help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
-                         "replay | -h], comma-separated (e.g. 0.85+0.09,0.9,0.95-h); the same graphs, no compile")
+                         "replay | -h][:blind], comma-separated (e.g. 0.85+0.09,0.9,0.95-h,0.85:blind; blind: to "
+                         "the work each row has left); the same graphs, no compile")
     ap.add_argument("--pin-in-auto", action="store_true",
                     help="run each fixed K in the auto engine with its choice pinned (one compile for all K)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -88,14 +88,16 @@ def main() -> None:
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
     dec = engine(ba.AUTO, B, max(ks), a.device)
     dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
-    variants = [(f"auto decay {d}" + (" +h" if h else ""), d, h, 1.0, adaptive.PRIOR_WEIGHT)
-                for d in (float(x) for x in a.decays.split(",")) for h in (False, True)]
+    variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
+                 h, 1.0, adaptive.PRIOR_WEIGHT, by_row)
+                for d in (float(x) for x in a.decays.split(",")) for h in (False, True) for by_row in (True, False)]
     for item in (x for x in a.prior_shrinks.split(",") if x):
         shrink, weight = (float(v) for v in item.split(":"))
-        variants += [(f"auto decay {d} +h, prior x{shrink} weight {weight:g}", d, True, shrink, weight)
+        variants += [(f"auto decay {d} +h, prior x{shrink} weight {weight:g}", d, True, shrink, weight, True)
                      for d in (float(x) for x in a.decays.split(","))]
-    for name, decay, with_h, shrink, weight in variants:
-        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0), prior_as(shrink, weight):
+    for name, decay, with_h, shrink, weight, by_row in variants:
+        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), \
+                prior_as(shrink, weight):
             out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[name] = [priced(s, times, a.overhead) for s in out]
         mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]

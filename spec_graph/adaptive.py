@@ -1,33 +1,47 @@
 """Adaptive K: before each replay, the number of drafts with the most expected committed tokens per second.
 
 Per draft position j (1-based) the engine keeps a smoothed conditional
-acceptance ``a_j = P(draft j accepted | drafts 1..j-1 accepted)``. With K
-drafts a row commits, in expectation,
+acceptance ``a_j = P(draft j accepted | drafts 1..j-1 accepted)``, over all
+rows and per row. With K drafts a row commits, in expectation,
 
     E(K) = 1 + sum_{j=1..K} prod_{i<=j} a_i      (the accepted prefix + the correction or bonus token)
 
 tokens per step, and a step of K drafts over the batch bucket takes ``t(K)``
 (measured once, when the graphs are captured: the replay, plus the host's
 read and choice after it, which the next replay waits for; step_times.py).
-The chooser picks
-``argmax_K E(K) / t(K)`` (the smaller K on a tie). Counts come from the device
-in the one read the engine makes per replay anyway, so choosing costs no host
-sync. Nothing here is random: under a seed (and a fixed time table) the
-choices, and so the tokens, repeat.
+A ``generate`` call ends when its last row does, so the chooser minimises
+the time the work left takes:
+
+    steps(K) = max( (queued + sum_r rem_r) / (rows * E(K)),  max_r rem_r / E_r(K) )
+
+with ``rem_r`` the tokens row r has left, ``queued`` those of the requests
+not yet admitted and ``E_r`` from row r's own rates. While requests wait the
+first term rules (every committed token is throughput: argmax E(K) / t(K));
+once the queue is empty the slowest row does, and drafts that only finish
+the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
+(the smaller K on a tie). Counts come from the device in the one read the
+engine makes per replay anyway, so choosing costs no host sync. Nothing
+here is random: under a seed (and a fixed time table) the choices, and so
+the tokens, repeat.
 """
 from __future__ import annotations
 
 import torch
 
-# Weight of the past per row-step observed: about the last 1 / (1 - DECAY) row-steps count (about one replay of
-# a full batch of 8, a few of one request alone), so a new kind of prompt moves K soon while one unlucky step does
-# not; per row-step, not per replay, so that one row's steps are not read as noisily as eight rows'. (0.85 led
-# 0.9 and 0.95 on the H200 at B=1 and B=8, with the host's time per replay in the step times.)
+# Weight of the past per row-step that reached a position: about the last 1 / (1 - DECAY) such row-steps count
+# (about one replay of a full batch of 8, a few of one request alone), so a new kind of prompt moves K soon while
+# one unlucky step does not. A position above K fades by one row-step's weight per replay. (0.85 led 0.9 and 0.95
+# on the H200 at B=1 and B=8, with the host's time per replay in the step times.)
 DECAY = 0.85
-# Before anything is seen, position 1 is assumed accepted this often; a position not seen lately (K stayed
-# below it) falls back to the rate of the one before it, so the estimate of deep positions follows the first.
+# Before anything is seen, position 1 is assumed accepted this often; a position seen little (K stayed below it)
+# leans on the rate of the one before it, so the estimate of deep positions follows the first.
 PRIOR_RATE = 0.6
 PRIOR_WEIGHT = 1.0  # in row-steps: what one observation weighs against the prior
+
+# A row's own estimate: its past per row-step of its own weighs ROW_DECAY (a request's text changes slowly), and
+# the rates over all rows stand in for ROW_PRIOR_WEIGHT row-steps of it (a new row starts as the batch's average).
+ROW_DECAY = 0.95
+ROW_PRIOR_WEIGHT = 8.0
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -40,22 +54,42 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 def count_acceptance(counts: torch.Tensor, accepted: torch.Tensor, K: int) -> None:
-    """Add one step's counts to ``counts [2 * Kmax]`` in place, on the device: per position j (0-based), the rows
-    whose step proposed it with every earlier draft accepted (``accepted >= j`` and ``j < K``), then the rows that
-    accepted it (``accepted > j``). ``accepted [B]``: drafts accepted per row, negative where a row took no step."""
-    depth = torch.arange(counts.shape[0] // 2, device=counts.device)
+    """Add one step's counts to ``counts [B, 2 * Kmax]`` in place, on the device: per row and position j
+    (0-based), 1 where the row's step proposed it with every earlier draft accepted (``accepted >= j`` and
+    ``j < K``), then 1 where it accepted it (``accepted > j``). ``accepted [B]``: drafts accepted per row,
+    negative where a row took no step."""
+    depth = torch.arange(counts.shape[1] // 2, device=counts.device)
     a = accepted[:, None]
-    reached = ((a >= depth) & (depth < K)).sum(0)
-    counts.add_(torch.cat((reached, (a > depth).sum(0))))
+    counts.add_(torch.cat(((a >= depth) & (depth < K), a > depth), dim=1).to(counts.dtype))
+
+
+def _decayed_add(reached: list[float], accepted: list[float], new: list[int], decay: float) -> None:
+    """One replay's counts ``new = [reached..., accepted...]`` added to the decayed sums in place. A position's
+    past fades by ``decay`` per new row-step that reached it, and by one such step where none did: in a batch,
+    the positions below K have seen every row's step while those above it fade as one row's would (how deep
+    drafts fare, given the ones before them, changes less between rows than the first does)."""
+    n = len(reached)
+    for j in range(n):
+        keep = decay ** max(new[j], 1)
+        reached[j] = keep * reached[j] + new[j]
+        accepted[j] = keep * accepted[j] + new[n + j]
+
+
+def _smoothed(reached: list[float], accepted: list[float], prior: list[float], weight: float) -> list[float]:
+    return [(a + weight * p) / (r + weight) for r, a, p in zip(reached, accepted, prior)]
 
 
 class KChooser:
     """Smoothed per-position acceptance and the K it implies, for one ``generate`` call.
 
-    ``observe(counts)`` takes the engine's cumulative device counters as a list
-    ``[reached_1..reached_Kmax, accepted_1..accepted_Kmax]`` (row-steps where
-    position j was proposed with every earlier draft accepted, and where it was
-    accepted too); ``choose(times)`` takes ``{K: seconds per step}``.
+    ``observe(counts)`` takes the engine's cumulative device counters of rows
+    0.. as one flat list, ``2 * Kmax`` per row: ``[reached_1..reached_Kmax,
+    accepted_1..accepted_Kmax]`` (the row's steps where position j was proposed
+    with every earlier draft accepted, and where it was accepted too);
+    ``admit(row)`` says a new request took the row; ``choose(times, remaining,
+    queued)`` takes ``{K: seconds per step}``, ``{row: tokens left}`` of the busy
+    rows and the tokens of the requests still waiting (without ``remaining``:
+    the K of the most tokens per second over all rows).
     """
 
     def __init__(self, choices: tuple[int, ...], decay: float = DECAY):
@@ -64,16 +98,22 @@ class KChooser:
         self.decay = decay
         self.reached = [0.0] * self.kmax
         self.accepted = [0.0] * self.kmax
+        self.rows: dict[int, tuple[list[float], list[float]]] = {}  # row: (reached, accepted), its own
         self._last = [0] * (2 * self.kmax)
 
+    def admit(self, row: int) -> None:
+        self.rows.pop(row, None)
+
     def observe(self, counts: list[int]) -> None:
+        n = self.kmax
+        self._last += [0] * (len(counts) - len(self._last))
         new = [c - p for c, p in zip(counts, self._last)]
         self._last = list(counts)
-        n = self.kmax
-        keep = self.decay ** new[0]  # new[0]: the row-steps taken (every step reaches position 1)
-        for j in range(n):
-            self.reached[j] = keep * self.reached[j] + new[j]
-            self.accepted[j] = keep * self.accepted[j] + new[n + j]
+        per_row = [new[i:i + 2 * n] for i in range(0, len(new), 2 * n)]
+        _decayed_add(self.reached, self.accepted, [sum(d[j] for d in per_row) for j in range(2 * n)], self.decay)
+        for row, d in enumerate(per_row):
+            if d[0]:
+                _decayed_add(*self.rows.setdefault(row, ([0.0] * n, [0.0] * n)), d, ROW_DECAY)
 
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE
@@ -82,14 +122,27 @@ class KChooser:
             out.append(prev)
         return out
 
-    def choose(self, times: dict[int, float]) -> int:
+    def row_rates(self, row: int) -> list[float]:
+        """Row ``row``'s own rates, drawn toward those over all rows where it has seen little."""
+        pooled = self.rates()
+        if row not in self.rows:
+            return pooled
+        return _smoothed(*self.rows[row], pooled, ROW_PRIOR_WEIGHT)
+
+    def choose(self, times: dict[int, float], remaining: dict[int, int] | None = None, queued: int = 0) -> int:
         rates = self.rates()
-        best, best_rate = self.choices[0], -1.0
+        rows = {r: self.row_rates(r) for r in remaining} if remaining else {}
+        best, best_cost = self.choices[0], float("inf")
         for k in self.choices:
             t = times.get(k)
             if t is None or t <= 0:
                 continue
-            rate = expected_tokens(rates, k) / t
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
+            if rows:  # steps until the work left is done (module docstring), at least the slowest row's
+                left = (queued + sum(remaining.values())) / (len(rows) * expected_tokens(rates, k))
+                steps = max(left, max(remaining[r] / expected_tokens(x, k) for r, x in rows.items()))
+            else:
+                steps = 1.0 / expected_tokens(rates, k)
+            cost = steps * t
+            if cost < best_cost * (1 - 1e-9):
+                best, best_cost = k, cost
         return best

@@ -171,7 +171,7 @@ class SpecDecoder(DecoderBase):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch
                     # dimension is symbolic there, and each bucket's graph is still captured at its own size.
                     if st["tail"].shape[0] > 1:
-                        for t in (*(v for k, v in st.items() if k != "k_counts"), out_buf, acc_log):
+                        for t in (*st.values(), out_buf, acc_log):
                             torch._dynamo.maybe_mark_dynamic(t, 0)
                     # One function compiled per (mode, K, batch 1 or symbolic): past dynamo's default limit
                     # on recompiles of one function with "auto", so the limit is raised for these calls only.

@@ -156,7 +156,7 @@ class DecoderBase(StepTimes):
         # and {(greedy, bucket): seconds}: the host's own work per replay (the device read and the choice, which
         # wait for the replay's end), added once per replay to every K's steps; measured where the steps are
         self.host_times: dict = {}
-        self.k_counts = torch.zeros(2 * self.K, dtype=torch.long, device=dev)
+        self.k_counts = torch.zeros(self.rows, 2 * self.K, dtype=torch.long, device=dev)  # per state row
         self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
         self._generate_lock = threading.Lock()
@@ -283,7 +283,7 @@ class DecoderBase(StepTimes):
     def _step_args(self, B: int) -> tuple:
         st = {k: v[:B] for k, v in self.state.items()}
         if self.config.adaptive:
-            st["k_counts"] = self.k_counts  # the step adds its acceptance counts (adaptive.count_acceptance)
+            st["k_counts"] = self.k_counts[:B]  # the step adds its acceptance counts (adaptive.count_acceptance)
         return st, self.out_buf[:B], self.acc_log[:B], self.stop_buf, self.draft_kv, self.target_kv
 
     def _buckets(self) -> list[int]:
@@ -444,6 +444,8 @@ class DecoderBase(StepTimes):
                 for s, r in admit:
                     owner[s] = r
                     live[s] = len(encoded[r]) + 1
+                    if chooser:
+                        chooser.admit(s)
                 self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
                               [req_seeds[r] for _, r in admit], params, stop_ids)
                 prefills += 1
@@ -456,7 +458,9 @@ class DecoderBase(StepTimes):
                 continue
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             if chooser:
-                K = chooser.choose(self._times_for(params.greedy, B, sum(live[s] for s in busy) / len(busy)))
+                left = {s: max_new_tokens + len(encoded[owner[s]]) - live[s] for s in busy}  # tokens each row has left
+                K = chooser.choose(self._times_for(params.greedy, B, sum(live[s] for s in busy) / len(busy)), left,
+                                   len(pending) * max_new_tokens)
             else:
                 K = self.K
             self._run_steps(B, params.greedy, K)
@@ -469,7 +473,7 @@ class DecoderBase(StepTimes):
                 active = read[:B]
                 for s in busy:
                     live[s] = read[B + s]
-                chooser.observe(read[2 * B:])
+                chooser.observe(read[2 * B:])  # rows [0, B)'s counters
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
             finish([s for s in busy if not active[s]])

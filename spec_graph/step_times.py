@@ -101,7 +101,8 @@ class StepTimes:
     def _read_after_replay(self, B: int) -> list[int]:
         """The one host read per replay of an adaptive engine: rows [0, B)'s active flags and lengths, then the
         chooser's counts."""
-        return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B], self.k_counts)).tolist()
+        return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B],
+                          self.k_counts[:B].flatten())).tolist()
 
     def _as_if_live(self, snap: dict, length: int) -> None:
         """Every row active at committed length `length`, with room to generate (for timing only)."""

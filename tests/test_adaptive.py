@@ -103,14 +103,55 @@ def test_chooser_moves_within_a_few_replays_and_deep_positions_follow_the_first(
         k = c.choose(times)
         ks.append(k)
     assert ks[-1] == 1 and ks.index(1) <= 4, ks
-    for _ in range(20):  # K stays at 1: only position 1 is seen; deep positions drift toward its rate
-        _feed(c, 0.05, 1)
+    for _ in range(40):  # K stays at 1: only position 1 is seen (8 rows a replay); deep positions drift toward
+        _feed(c, 0.05, 1)  # its rate, by one row-step's weight a replay
     r = c.rates()
     assert r[0] < 0.1 and all(a < 0.5 for a in r), r  # from 0.95 (the prior keeps a little weight)
     for _ in range(8):  # and easy again: K climbs back, though positions 2.. were not seen for a while
         _feed(c, 0.95, k)
         k = c.choose(times)
     assert k >= 6
+
+
+def _feed_rows(chooser, rates, k, steps=64):
+    """One replay's counters of len(rates) rows: row r takes `steps` row-steps of k drafts, each position accepted
+    with rates[r], exactly in mean."""
+    n = chooser.kmax
+    last = list(chooser._last) + [0] * (2 * n * len(rates) - len(chooser._last))
+    for r, rate in enumerate(rates):
+        reach = float(steps)
+        for j in range(k):
+            last[2 * n * r + j] += round(reach)
+            last[2 * n * r + n + j] += round(reach * rate)
+            reach *= rate
+    chooser.observe(last)
+
+
+class _BlindToWorkLeft(KChooser):
+    def choose(self, times, remaining=None, queued=0):
+        return super().choose(times)
+
+
+class _SlowestRowEvenWithAQueue(KChooser):
+    def choose(self, times, remaining=None, queued=0):
+        return super().choose(times, remaining, 0)
+
+
+@pytest.mark.parametrize("cls, right", [(KChooser, True), (_BlindToWorkLeft, False),
+                                        (_SlowestRowEvenWithAQueue, False)])
+def test_chooser_serves_the_queue_then_the_slowest_row(cls, right):
+    """Row 0 accepts 0.97 per position, row 1 0.3. While requests wait every committed token counts: a long K
+    (the most tokens per second over both rows). Once none wait and row 1 holds the work left, only its tokens
+    shorten the call: K=1, its own best."""
+    times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
+    c = cls((1, 2, 3, 4, 6, 8))
+    for _ in range(6):
+        _feed_rows(c, [0.97, 0.3], 8)
+    assert c.row_rates(0)[0] > 0.9 and c.row_rates(1)[0] < 0.4
+    picks = c.choose(times, {0: 100, 1: 100}, queued=100_000), c.choose(times, {0: 5, 1: 100})
+    assert (picks[0] >= 6 and picks[1] == 1) == right, picks
+    c.admit(1)  # a new request in row 1 starts from the rates over all rows
+    assert c.row_rates(1) == c.rates()
 
 
 # ------------------------------------------------------------------ the engine
@@ -152,9 +193,24 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     steps = [(a, k) for r in out for a, k in zip(r.accepted_counts, r.k_per_step)]
     # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
     assert {a for a, k in steps if a < k} >= {0, 1, 2} and (2, 2) in steps, steps
-    assert dec.k_counts.tolist() == _host_counts(out, dec.K)
+    assert dec.k_counts.sum(0).tolist() == _host_counts(out, dec.K)
     # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
-    assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.tolist()[: dec.K]
+    assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
+
+
+def test_engine_tells_the_chooser_the_work_left(llama_pair, monkeypatch):
+    """Before each replay the chooser hears each busy row's tokens left and those of the requests still waiting."""
+    seen = []
+
+    class Recording(KChooser):
+        def choose(self, times, remaining=None, queued=0):
+            seen.append((dict(remaining), queued))
+            return super().choose(times, remaining, queued)
+
+    monkeypatch.setattr(runtime_mod, "KChooser", Recording)
+    _engine(llama_pair, max_batch_size=2).generate(PROMPTS, 12)
+    assert seen[0] == ({0: 11, 1: 11}, 2 * 12)  # each row committed one token at its prefill; two requests wait
+    assert seen[-1][1] == 0 and all(0 < v <= 12 for left, _ in seen for v in left.values())
 
 
 def test_auto_captured_n_steps_per_replay(llama_pair):
@@ -167,7 +223,7 @@ def test_auto_captured_n_steps_per_replay(llama_pair):
     assert set(dec.capture_report) == {1, 2, 3, 4}
     assert all(r["capture_s"] > 0 and r["memory_bytes"] is None for r in dec.capture_report.values())
     assert len(out.stats.k_per_step) % 3 == 0
-    assert dec.k_counts.tolist() == _host_counts(out, dec.K)
+    assert dec.k_counts.sum(0).tolist() == _host_counts(out, dec.K)
     # re-captured after reset_graphs: the report is the new graphs' alone, not added to the dropped ones'
     dec.reset_graphs()
     assert dec.capture_report == {}
@@ -282,5 +338,5 @@ def test_auto_compiled_step_counts_inside_the_graph(llama_pair):
     outs = [d.generate(PROMPTS, 16) for d in (eager, dec)]
     assert [r.token_ids for r in outs[1]] == [r.token_ids for r in outs[0]]
     assert outs[1].stats.k_per_step == outs[0].stats.k_per_step and len(set(outs[1].stats.k_per_step)) == 2
-    assert dec.k_counts.tolist() == eager.k_counts.tolist() == _host_counts(outs[1], 2)
+    assert dec.k_counts.sum(0).tolist() == eager.k_counts.sum(0).tolist() == _host_counts(outs[1], 2)
     assert {k for _, k in dec._fns} == {1, 2}

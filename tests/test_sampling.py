@@ -266,7 +266,7 @@ class _ParityChooser(KChooser):
     """K from the acceptance sampled so far (1 + its parity): a choice that depends on the random past, the way
     "auto"'s does, switching often."""
 
-    def choose(self, times):
+    def choose(self, times, remaining=None, queued=0):
         return 1 + sum(self._last) % 2
 
 
