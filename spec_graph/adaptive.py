@@ -63,6 +63,15 @@ def count_acceptance(counts: torch.Tensor, accepted: torch.Tensor, K: int) -> No
     counts.add_(torch.cat(((a >= depth) & (depth < K), a > depth), dim=1).to(counts.dtype))
 
 
+def _expected_by_k(rates: list[float]) -> list[float]:
+    """[E(0), E(1), ..., E(len(rates))] (expected_tokens at every K) in one pass."""
+    out, reach = [1.0], 1.0
+    for a in rates:
+        reach *= a
+        out.append(out[-1] + reach)
+    return out
+
+
 def _decayed_add(reached: list[float], accepted: list[float], new: list[int], decay: float) -> None:
     """One replay's counts ``new = [reached..., accepted...]`` added to the decayed sums in place. A position's
     past fades by ``decay`` per new row-step that reached it, and by one such step where none did: in a batch,
@@ -110,7 +119,7 @@ class KChooser:
         new = [c - p for c, p in zip(counts, self._last)]
         self._last = list(counts)
         per_row = [new[i:i + 2 * n] for i in range(0, len(new), 2 * n)]
-        _decayed_add(self.reached, self.accepted, [sum(d[j] for d in per_row) for j in range(2 * n)], self.decay)
+        _decayed_add(self.reached, self.accepted, [sum(col) for col in zip(*per_row)], self.decay)
         for row, d in enumerate(per_row):
             if d[0]:
                 _decayed_add(*self.rows.setdefault(row, ([0.0] * n, [0.0] * n)), d, ROW_DECAY)
@@ -122,27 +131,29 @@ class KChooser:
             out.append(prev)
         return out
 
-    def row_rates(self, row: int) -> list[float]:
-        """Row ``row``'s own rates, drawn toward those over all rows where it has seen little."""
-        pooled = self.rates()
+    def row_rates(self, row: int, pooled: list[float] | None = None) -> list[float]:
+        """Row ``row``'s own rates, drawn toward those over all rows (``pooled``: ``rates()``) where it has seen
+        little."""
+        pooled = self.rates() if pooled is None else pooled
         if row not in self.rows:
             return pooled
         return _smoothed(*self.rows[row], pooled, ROW_PRIOR_WEIGHT)
 
     def choose(self, times: dict[int, float], remaining: dict[int, int] | None = None, queued: int = 0) -> int:
         rates = self.rates()
-        rows = {r: self.row_rates(r) for r in remaining} if remaining else {}
+        pooled = _expected_by_k(rates)
+        if remaining:  # steps until the work left is done (module docstring), at least the slowest row's
+            per_row = [(left, _expected_by_k(self.row_rates(r, rates))) for r, left in remaining.items()]
+            total, rows = queued + sum(remaining.values()), len(remaining)
+            steps = {k: max(total / (rows * pooled[k]), max(left / e[k] for left, e in per_row)) for k in self.choices}
+        else:
+            steps = {k: 1.0 / pooled[k] for k in self.choices}
         best, best_cost = self.choices[0], float("inf")
         for k in self.choices:
             t = times.get(k)
             if t is None or t <= 0:
                 continue
-            if rows:  # steps until the work left is done (module docstring), at least the slowest row's
-                left = (queued + sum(remaining.values())) / (len(rows) * expected_tokens(rates, k))
-                steps = max(left, max(remaining[r] / expected_tokens(x, k) for r, x in rows.items()))
-            else:
-                steps = 1.0 / expected_tokens(rates, k)
-            cost = steps * t
+            cost = steps[k] * t
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = k, cost
         return best

@@ -73,7 +73,7 @@ class StepTimes:
         def with_read():
             run()
             chooser.observe(self._read_after_replay(b)[2 * b:])
-            chooser.choose(self._times_for(greedy, b, length))
+            chooser.choose(self._times_for(greedy, b, length), {r: length for r in range(b)})  # every row busy
 
         def with_sync():
             run()
