@@ -1,4 +1,4 @@
-"""Adaptive K: before each replay, the number of drafts with the most expected committed tokens per second.
+"""Adaptive K: before each replay, the number of drafts that finishes the work left soonest.
 
 Per draft position j (1-based) the engine keeps a smoothed conditional
 acceptance ``a_j = P(draft j accepted | drafts 1..j-1 accepted)``, over all
