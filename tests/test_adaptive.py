@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import fake_platform, hf_greedy
 
+import spec_graph.adaptive as adaptive_mod
 import spec_graph.runtime as runtime_mod
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.adaptive import KChooser, expected_tokens
@@ -125,6 +126,40 @@ def _feed_rows(chooser, rates, k, steps=64):
             last[2 * n * r + n + j] += round(reach * rate)
             reach *= rate
     chooser.observe(last)
+
+
+def _fade_per_batch_row_step(reached, accepted, new, decay):
+    """The rule before: every position fades by each row-step of the replay, reached or not."""
+    n = len(reached)
+    for j in range(n):
+        keep = decay ** new[0]
+        reached[j] = keep * reached[j] + new[j]
+        accepted[j] = keep * accepted[j] + new[n + j]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_positions_above_k_fade_by_one_row_step_a_replay(monkeypatch, broken):
+    """Eight rows, position 1 accepted half the time and the deeper ones 0.95 of the time they are reached. K then
+    stays at 1 for three replays: what positions 2.. showed is still there (as the per-row-step rule, it would
+    be forgotten, and position 2 would fall back to position 1's 0.5)."""
+    if broken:
+        monkeypatch.setattr(adaptive_mod, "_decayed_add", _fade_per_batch_row_step)
+    c = KChooser((1, 2, 3, 4, 6, 8))
+    n = c.kmax
+    for _ in range(10):
+        last = list(c._last)
+        reach = 8.0
+        for j, rate in enumerate([0.5] + [0.95] * (n - 1)):
+            last[j] += round(reach)
+            last[n + j] += round(reach * rate)
+            reach *= rate
+        c.observe(last)
+    for _ in range(3):
+        last = list(c._last)
+        last[0] += 8
+        last[n] += 4
+        c.observe(last)
+    assert (c.rates()[1] > 0.8) != broken, c.rates()
 
 
 class _BlindToWorkLeft(KChooser):
