@@ -117,7 +117,7 @@ class KChooser:
         n = self.kmax
         self._last += [0] * (len(counts) - len(self._last))
         new = [c - p for c, p in zip(counts, self._last)]
-        self._last = list(counts)
+        self._last[:len(counts)] = counts  # rows past a smaller bucket keep theirs for when it grows again
         per_row = [new[i:i + 2 * n] for i in range(0, len(new), 2 * n)]
         _decayed_add(self.reached, self.accepted, [sum(col) for col in zip(*per_row)], self.decay)
         for row, d in enumerate(per_row):

@@ -162,6 +162,16 @@ def test_positions_above_k_fade_by_one_row_step_a_replay(monkeypatch, broken):
     assert (c.rates()[1] > 0.8) != broken, c.rates()
 
 
+def test_counts_carry_across_bucket_sizes():
+    """The read covers the rows of the replay's bucket: a row left out of one replay (a smaller bucket) still has its
+    device count, so what it adds when the bucket grows again is only its new steps. Undecayed sums, Kmax = 2."""
+    c = KChooser((1, 2), decay=1.0)
+    c.observe([3, 1, 2, 0, 5, 2, 4, 1])  # two rows: [reached_1, reached_2, accepted_1, accepted_2] each
+    c.observe([4, 1, 3, 0])  # a bucket of one row
+    c.observe([4, 1, 3, 0, 6, 3, 5, 2])  # two rows again: row 1 took one step meanwhile
+    assert (c.reached, c.accepted) == ([3 + 5 + 1 + 1, 1 + 2 + 1], [2 + 4 + 1 + 1, 0 + 1 + 1])
+
+
 class _BlindToWorkLeft(KChooser):
     def choose(self, times, remaining=None, queued=0):
         return super().choose(times)
