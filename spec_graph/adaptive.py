@@ -145,7 +145,9 @@ class KChooser:
         if remaining:  # steps until the work left is done (module docstring), at least the slowest row's
             per_row = [(left, _expected_by_k(self.row_rates(r, rates))) for r, left in remaining.items()]
             total, rows = queued + sum(remaining.values()), len(remaining)
-            steps = {k: max(total / (rows * pooled[k]), max(left / e[k] for left, e in per_row)) for k in self.choices}
+            # a row commits at most the tokens it has left: drafts past them finish it no sooner
+            steps = {k: max(total / (rows * pooled[k]), max(left / e[min(k, max(left - 1, 0))] for left, e in per_row))
+                     for k in self.choices}
         else:
             steps = {k: 1.0 / pooled[k] for k in self.choices}
         best, best_cost = self.choices[0], float("inf")

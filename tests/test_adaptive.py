@@ -239,23 +239,39 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
     assert {a for a, k in steps if a < k} >= {0, 1, 2} and (2, 2) in steps, steps
     assert dec.k_counts.sum(0).tolist() == _host_counts(out, dec.K)
+    # per row: request s ran in row s (four requests, four rows)
+    assert [dec.k_counts[s].tolist() for s in range(4)] == [_host_counts([r], dec.K) for r in out]
     # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
     assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
 
 
 def test_engine_tells_the_chooser_the_work_left(llama_pair, monkeypatch):
-    """Before each replay the chooser hears each busy row's tokens left and those of the requests still waiting."""
+    """Before each replay the chooser hears each busy row's tokens left and those of the requests still waiting;
+    a row taken by a new request is admitted afresh. Four requests in two rows: each row serves two."""
     seen = []
 
     class Recording(KChooser):
+        def admit(self, row):
+            seen.append(("admit", row))
+            super().admit(row)
+
         def choose(self, times, remaining=None, queued=0):
             seen.append((dict(remaining), queued))
             return super().choose(times, remaining, queued)
 
     monkeypatch.setattr(runtime_mod, "KChooser", Recording)
     _engine(llama_pair, max_batch_size=2).generate(PROMPTS, 12)
-    assert seen[0] == ({0: 11, 1: 11}, 2 * 12)  # each row committed one token at its prefill; two requests wait
-    assert seen[-1][1] == 0 and all(0 < v <= 12 for left, _ in seen for v in left.values())
+    assert seen[:3] == [("admit", 0), ("admit", 1), ({0: 11, 1: 11}, 2 * 12)]  # one token each from its prefill
+    assert sorted(x for x in seen if x[0] == "admit") == [("admit", 0), ("admit", 0), ("admit", 1), ("admit", 1)]
+    last: dict = {}
+    for x in seen:
+        if x[0] == "admit":
+            last.pop(x[1], None)
+            continue
+        for row, left in x[0].items():  # every replay commits at least one token in each busy row
+            assert 0 < left < last.get(row, 13), (row, left, seen)
+            last[row] = left
+    assert seen[-1][1] == 0
 
 
 def test_auto_captured_n_steps_per_replay(llama_pair):
