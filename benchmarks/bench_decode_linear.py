@@ -1,6 +1,7 @@
 """The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
 
-    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512] [--ablate]]
+    python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512] [--ablate]
+        [--one-row-grid] [--per-product]]
 
 For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
@@ -18,7 +19,8 @@ the same chain of plain streaming kernels (each reads its weight once and sums i
 meeting; the best of a small grid of launch shapes) and of empty kernels: what any chain of separate kernels
 costs per kernel on this device. --ablate adds the fused chain without split-K, without the norm and without
 the residual, and a chain of plain one-row products (no norm, epilogue or split: the best of a grid of tiles).
-CUDA only.
+--per-product times each of a layer's four products alone through the layers at one row, fused and as plain
+one-row products over the same weights: which product holds the fused chain above the plain one. CUDA only.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ ONE_ROW_UNPAIRED = [(1, 1024, 4, 2), (2, 1024, 4, 1), (2, 1024, 4, 3), (2, 1024,
                     (2, 2048, 8, 2), (4, 512, 4, 2)]
 ONE_ROW_PAIRED = [(1, 1024, 4, 2), (1, 1024, 2, 2), (1, 2048, 4, 2), (2, 1024, 4, 1), (2, 1024, 8, 2)]
 ONE_ROW_NORM_BLOCKS = [128, 256, 512]
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's four fused products, in order
 
 
 @triton.jit
@@ -155,6 +158,30 @@ def chain(cfg: dict, layers: list, M: int, dev, dt, sync, norm: bool = True, res
     return run
 
 
+def product_chain(cfg: dict, layers: list, i: int, dev, dt, sync):
+    """run: product i (of PRODUCTS) of every layer alone, fused as a one-row decode forward runs it (the norm in
+    qkv's and gate_up's prologue, the residual in o's and down's epilogue), on fixed inputs (one stream orders
+    the launches)."""
+    H, Hq, Hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = H // Hq
+    nw, r = torch.ones(H, device=dev, dtype=dt), torch.randn(1, H, device=dev, dtype=dt)
+    cos, sin = torch.randn(1, D, device=dev, dtype=dt), torch.randn(1, D, device=dev, dtype=dt)
+    xs = {k: torch.randn(1, k, device=dev, dtype=dt) for k in {layer[i].shape[1] for layer in layers}}
+
+    def run():
+        for layer in layers:
+            w = layer[i]
+            x = xs[w.shape[1]]
+            if PRODUCTS[i] == "qkv":
+                out = dl.decode_qkv_rope(x, w, None, nw, 1e-6, cos, sin, Hq + Hkv, D, sync=sync)
+            elif PRODUCTS[i] == "gate_up":
+                out = dl.decode_gate_up(x, w, None, nw, 1e-6, sync=sync)
+            else:
+                out = dl.decode_linear(x, w, residual=r, sync=sync)
+        return out
+    return run
+
+
 def gemv_chain(mats: list, dev, dt, block_n: int, block_k: int, warps: int):
     """run: one _gemv_kernel per matrix in order, each multiplying the first columns of the one before's output."""
     outs = [torch.randn(max(m.shape[0] for m in mats), device=dev, dtype=dt) for _ in range(2)]
@@ -203,10 +230,12 @@ def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
         dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K = saved
 
 
-def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False) -> None:
+def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False,
+              per_product: bool = False) -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
     streaming and empty baselines over the same weights (ablate: also the fused chain without split-K, norm or
-    residual, and a chain of plain one-row products; one_row_grid: one row under other CUDA-core tiles)."""
+    residual, and a chain of plain one-row products; one_row_grid: one row under other CUDA-core tiles;
+    per_product: each of a layer's products alone through the layers, fused and plain, at one row)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -246,6 +275,16 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (block_n, block_k, warps)))
             for t, conf in sorted(timed_runs)[:3]:
                 row(f" plain one-row products (BLOCK_N, BLOCK_K, warps) = {conf}", 1, t)
+        if per_product:
+            for i, name in enumerate(PRODUCTS):
+                ms = [layer[i] for layer in layers]
+                mb = sum(m.numel() * m.element_size() for m in ms)
+                for how, fn in (("fused", product_chain(cfg, layers, i, dev, dt, sync)),
+                                ("plain (2, 1024, 4)", gemv_chain(ms, dev, dt, 2, 1024, 4))):
+                    replay, _ = graphed(plat, fn)
+                    t = bs.median_ms(replay, 20, warmup=3) * 1e3
+                    print(f"| {model} {name} alone, {how} | 1 | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
+                          f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
@@ -269,14 +308,16 @@ def main() -> None:
                     help="--chain: also without split-K, norm or residual, and plain one-row products")
     ap.add_argument("--one-row-grid", action="store_true",
                     help="--chain: also one row under other CUDA-core tiles and norm steps, one change at a time")
+    ap.add_argument("--per-product", action="store_true",
+                    help="--chain: also each of a layer's products alone through the layers, fused and plain")
     a = ap.parse_args()
-    if (a.norm_blocks != "0" or a.ablate or a.one_row_grid) and not a.chain:
-        ap.error("--norm-blocks, --ablate and --one-row-grid go with --chain")
+    if (a.norm_blocks != "0" or a.ablate or a.one_row_grid or a.per_product) and not a.chain:
+        ap.error("--norm-blocks, --ablate, --one-row-grid and --per-product go with --chain")
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
-        return run_chain(plat, a.rows, a.norm_blocks, a.ablate, a.one_row_grid)
+        return run_chain(plat, a.rows, a.norm_blocks, a.ablate, a.one_row_grid, a.per_product)
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, "
