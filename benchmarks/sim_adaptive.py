@@ -37,21 +37,14 @@ def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
 
 @contextlib.contextmanager
 def prior_as(shrink: float, weight: float):
-    """The chooser's rates with another prior for each position: the rate of the one before it times `shrink`
-    (1: as the engine has it), weighing `weight` row-steps against the observations."""
-    real = adaptive.KChooser.rates
-
-    def rates(self):
-        out, prev = [], adaptive.PRIOR_RATE
-        for r, acc in zip(self.reached, self.accepted):
-            prev = (acc + weight * shrink * prev) / (r + weight)
-            out.append(prev)
-        return out
-    adaptive.KChooser.rates = rates
+    """The chooser's prior for each position: the rate of the one before it times `shrink` (1: as the engine has
+    it), weighing `weight` row-steps against the observations."""
+    saved = adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT
+    adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT = shrink, weight
     try:
         yield
     finally:
-        adaptive.KChooser.rates = real
+        adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT = saved
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:

@@ -37,6 +37,7 @@ DECAY = 0.85
 # leans on the rate of the one before it, so the estimate of deep positions follows the first.
 PRIOR_RATE = 0.6
 PRIOR_WEIGHT = 1.0  # in row-steps: what one observation weighs against the prior
+PRIOR_SHRINK = 1.0  # each position's prior: the rate of the one before it times this
 
 # A row's own estimate: its past per row-step of its own weighs ROW_DECAY (a request's text changes slowly), and
 # the rates over all rows stand in for ROW_PRIOR_WEIGHT row-steps of it (a new row starts as the batch's average).
@@ -127,7 +128,7 @@ class KChooser:
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE
         for r, a in zip(self.reached, self.accepted):
-            prev = (a + PRIOR_WEIGHT * prev) / (r + PRIOR_WEIGHT)
+            prev = (a + PRIOR_WEIGHT * PRIOR_SHRINK * prev) / (r + PRIOR_WEIGHT)
             out.append(prev)
         return out
 
