@@ -11,7 +11,8 @@ taken ``times[K] + overhead`` ms (defaults: the H200 table
 the auto engine measured at B=1 for the embedded pair, and the host time per replay read from that run's
 fixed-K rows; RESULTS.md, 2026-12-01). The chooser sees ``times[K]`` as its table, plus the overhead for the
 variants marked "+h"; each variant runs again blind to the work each row has left (the most tokens per second
-over the busy rows at every replay, as the engine chose before). Simulated tok/ms = generated tokens / priced time (prefills left out: equal for all).
+over the busy rows at every replay, as the engine chose before). Simulated tok/ms = generated tokens / priced
+time (prefills left out: equal for all).
 """
 from __future__ import annotations
 

@@ -47,11 +47,7 @@ ROW_PRIOR_WEIGHT = 8.0
 
 def expected_tokens(rates: list[float], k: int) -> float:
     """E(K): committed tokens per row-step with ``k`` drafts under conditional acceptance ``rates``."""
-    total, reach = 1.0, 1.0
-    for a in rates[:k]:
-        reach *= a
-        total += reach
-    return total
+    return _expected_by_k(rates[:k])[-1]
 
 
 def count_acceptance(counts: torch.Tensor, accepted: torch.Tensor, K: int) -> None:

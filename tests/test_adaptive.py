@@ -54,15 +54,18 @@ def test_expected_tokens(formula, right):
     assert ok == right
 
 
-def _feed(chooser, rate, k, rows=8):
-    """One replay's counters: `rows` row-steps of k drafts, each position accepted with `rate`, exactly in mean."""
-    last = list(chooser._last)
+def _feed(chooser, rates, k, steps=8):
+    """One replay's counters: row r takes `steps` row-steps of k drafts, position j accepted with rates[r] (one
+    rate, or one per position), exactly in mean."""
     n = chooser.kmax
-    reach = float(rows)
-    for j in range(k):
-        last[j] += round(reach)
-        last[n + j] += round(reach * rate)
-        reach *= rate
+    last = list(chooser._last) + [0] * (2 * n * len(rates) - len(chooser._last))
+    for r, rate in enumerate(rates):
+        per_position = rate if isinstance(rate, list) else [rate] * k
+        reach = float(steps)
+        for j in range(k):
+            last[2 * n * r + j] += round(reach)
+            last[2 * n * r + n + j] += round(reach * per_position[j])
+            reach *= per_position[j]
     chooser.observe(last)
 
 
@@ -84,7 +87,7 @@ def test_chooser_follows_acceptance_and_time(cls, right):
         c = cls((1, 2, 3, 4, 6, 8))
         k = 1
         for _ in range(12):
-            _feed(c, rate, k, rows=64)
+            _feed(c, [rate], k, 64)
             k = c.choose(times)
         picks.append(k)
     assert (picks == [8, 1]) == right, picks
@@ -95,37 +98,23 @@ def test_chooser_moves_within_a_few_replays_and_deep_positions_follow_the_first(
     times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
     k = 1
     for _ in range(10):
-        _feed(c, 0.95, k)
+        _feed(c, [0.95], k)
         k = c.choose(times)
     assert k == 8
     ks = []
     for _ in range(6):  # the prompts turn hard
-        _feed(c, 0.05, k)
+        _feed(c, [0.05], k)
         k = c.choose(times)
         ks.append(k)
     assert ks[-1] == 1 and ks.index(1) <= 4, ks
     for _ in range(40):  # K stays at 1: only position 1 is seen (8 rows a replay); deep positions drift toward
-        _feed(c, 0.05, 1)  # its rate, by one row-step's weight a replay
+        _feed(c, [0.05], 1)  # its rate, by one row-step's weight a replay
     r = c.rates()
     assert r[0] < 0.1 and all(a < 0.5 for a in r), r  # from 0.95 (the prior keeps a little weight)
     for _ in range(8):  # and easy again: K climbs back, though positions 2.. were not seen for a while
-        _feed(c, 0.95, k)
+        _feed(c, [0.95], k)
         k = c.choose(times)
     assert k >= 6
-
-
-def _feed_rows(chooser, rates, k, steps=64):
-    """One replay's counters of len(rates) rows: row r takes `steps` row-steps of k drafts, each position accepted
-    with rates[r], exactly in mean."""
-    n = chooser.kmax
-    last = list(chooser._last) + [0] * (2 * n * len(rates) - len(chooser._last))
-    for r, rate in enumerate(rates):
-        reach = float(steps)
-        for j in range(k):
-            last[2 * n * r + j] += round(reach)
-            last[2 * n * r + n + j] += round(reach * rate)
-            reach *= rate
-    chooser.observe(last)
 
 
 def _fade_per_batch_row_step(reached, accepted, new, decay):
@@ -147,18 +136,9 @@ def test_positions_above_k_fade_by_one_row_step_a_replay(monkeypatch, broken):
     c = KChooser((1, 2, 3, 4, 6, 8))
     n = c.kmax
     for _ in range(10):
-        last = list(c._last)
-        reach = 8.0
-        for j, rate in enumerate([0.5] + [0.95] * (n - 1)):
-            last[j] += round(reach)
-            last[n + j] += round(reach * rate)
-            reach *= rate
-        c.observe(last)
+        _feed(c, [[0.5] + [0.95] * (n - 1)], n)
     for _ in range(3):
-        last = list(c._last)
-        last[0] += 8
-        last[n] += 4
-        c.observe(last)
+        _feed(c, [0.5], 1)
     assert (c.rates()[1] > 0.8) != broken, c.rates()
 
 
@@ -191,7 +171,7 @@ def test_chooser_serves_the_queue_then_the_slowest_row(cls, right):
     times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
     c = cls((1, 2, 3, 4, 6, 8))
     for _ in range(6):
-        _feed_rows(c, [0.97, 0.3], 8)
+        _feed(c, [0.97, 0.3], 8, 64)
     assert c.row_rates(0)[0] > 0.9 and c.row_rates(1)[0] < 0.4
     picks = c.choose(times, {0: 100, 1: 100}, queued=100_000), c.choose(times, {0: 5, 1: 100})
     assert (picks[0] >= 6 and picks[1] == 1) == right, picks
