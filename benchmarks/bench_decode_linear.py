@@ -19,12 +19,15 @@ the same chain of plain streaming kernels (each reads its weight once and sums i
 meeting; the best of a small grid of launch shapes) and of empty kernels: what any chain of separate kernels
 costs per kernel on this device. --ablate adds the fused chain without split-K, without the norm and without
 the residual, and a chain of plain one-row products (no norm, epilogue or split: the best of a grid of tiles).
---per-product times each of a layer's four products alone through the layers at one row, fused and as plain
-one-row products over the same weights: which product holds the fused chain above the plain one. CUDA only.
+--one-row-grid times the chain at one row under other CUDA-core tiles, each with the kernel's ONE_STEP_K as set and
+lower (ONE_STEP_K_OTHER). --per-product times each of a layer's four products alone through the layers at one row,
+fused (at each ONE_STEP_K; the paired ones also on the grid's first paired tile) and as plain one-row products over
+the same weights: which product holds the fused chain above the plain one. CUDA only.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -53,11 +56,12 @@ GRID_STREAM = list(itertools.product((1, 2, 4, 8), (2048, 8192), (4, 8)))
 # (BLOCK_N, BLOCK_K, num_warps) of the plain one-row product baseline in --chain --ablate
 GRID_GEMV = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
 # --chain --one-row-grid: CUDA_CORE_TILES entries (BLOCK_N, BLOCK_K, num_warps, num_stages) tried one at a time
-# for the unpaired products (o_proj, down_proj) and the paired ones (qkv, gate_up), and NORM_BLOCK_K values
-ONE_ROW_UNPAIRED = [(1, 1024, 4, 2), (2, 1024, 4, 1), (2, 1024, 4, 3), (2, 1024, 2, 2), (2, 1024, 8, 2),
-                    (2, 2048, 8, 2), (4, 512, 4, 2)]
-ONE_ROW_PAIRED = [(1, 1024, 4, 2), (1, 1024, 2, 2), (1, 2048, 4, 2), (2, 1024, 4, 1), (2, 1024, 8, 2)]
-ONE_ROW_NORM_BLOCKS = [128, 256, 512]
+# for the unpaired products (o_proj, down_proj) and the paired ones (qkv, gate_up), and NORM_BLOCK_K values, each
+# with ONE_STEP_K as set and ONE_STEP_K_OTHER
+ONE_ROW_UNPAIRED = [(1, 1024, 4, 2), (2, 1024, 4, 3), (2, 2048, 8, 2)]
+ONE_ROW_PAIRED = [(1, 1024, 4, 2), (1, 1024, 2, 2), (2, 1024, 4, 1)]
+ONE_ROW_NORM_BLOCKS = [512]
+ONE_STEP_K_OTHER = (0, 1024)
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's four fused products, in order
 
 
@@ -208,26 +212,43 @@ def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: 
     return run
 
 
-def one_row_variants() -> list[tuple[str, dict, int]]:
-    """(label, CUDA_CORE_TILES, NORM_BLOCK_K) of --one-row-grid: the default, then one change at a time."""
+def one_row_variants() -> list[tuple[str, dict, int, int]]:
+    """(label, CUDA_CORE_TILES, NORM_BLOCK_K, ONE_STEP_K) of --one-row-grid: the default, then one change at a
+    time, each with ONE_STEP_K as set and as each of ONE_STEP_K_OTHER."""
     base = dict(dl.CUDA_CORE_TILES)
-    out = [("one-row default", base, 0)]
-    out += [(f"one-row unpaired {t}", {**base, False: t}, 0) for t in ONE_ROW_UNPAIRED]
-    out += [(f"one-row paired {t}", {**base, True: t}, 0) for t in ONE_ROW_PAIRED]
-    return out + [(f"one-row NORM_BLOCK_K {nb}", base, nb) for nb in ONE_ROW_NORM_BLOCKS]
+    out = [("default", base, 0)]
+    out += [(f"unpaired {t}", {**base, False: t}, 0) for t in ONE_ROW_UNPAIRED]
+    out += [(f"paired {t}", {**base, True: t}, 0) for t in ONE_ROW_PAIRED]
+    out += [(f"NORM_BLOCK_K {nb}", base, nb) for nb in ONE_ROW_NORM_BLOCKS]
+    return [(f"one-row {label}{'' if k == dl.ONE_STEP_K else f', ONE_STEP_K {k}'}", tiles, nb, k)
+            for label, tiles, nb in out for k in (dl.ONE_STEP_K, *ONE_STEP_K_OTHER)]
+
+
+@contextlib.contextmanager
+def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
+    """decode_linear's one-row settings set inside, restored after."""
+    saved = dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K
+    dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K = tiles, norm_block, one_step_k
+    try:
+        yield
+    finally:
+        dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K = saved
 
 
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
-    """The chain at one row under each of one_row_variants, the module's settings restored after."""
-    dev, dt = plat.device, torch.bfloat16
-    saved = dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K
-    try:
-        for label, tiles, nb in one_row_variants():
-            dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K = tiles, nb
-            replay, _ = graphed(plat, chain(cfg, layers, 1, dev, dt, sync))
-            row(f" {label}", 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
-    finally:
-        dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K = saved
+    """The chain at one row under each of one_row_variants."""
+    for label, tiles, nb, k in one_row_variants():
+        with one_row_settings(tiles, nb, k):
+            replay, _ = graphed(plat, chain(cfg, layers, 1, plat.device, torch.bfloat16, sync))
+        row(f" {label}", 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
+
+
+def per_product_variants() -> list[tuple[str, dict, int]]:
+    """(label, CUDA_CORE_TILES, ONE_STEP_K) of --per-product's fused products: the default, then each of
+    ONE_STEP_K_OTHER, then the grid's first paired tile."""
+    base = dict(dl.CUDA_CORE_TILES)
+    return ([("fused", base, dl.ONE_STEP_K)] + [(f"fused, ONE_STEP_K {k}", base, k) for k in ONE_STEP_K_OTHER]
+            + [(f"fused, paired {ONE_ROW_PAIRED[0]}", {**base, True: ONE_ROW_PAIRED[0]}, dl.ONE_STEP_K)])
 
 
 def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False,
@@ -279,9 +300,14 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
             for i, name in enumerate(PRODUCTS):
                 ms = [layer[i] for layer in layers]
                 mb = sum(m.numel() * m.element_size() for m in ms)
-                for how, fn in (("fused", product_chain(cfg, layers, i, dev, dt, sync)),
-                                ("plain (2, 1024, 4)", gemv_chain(ms, dev, dt, 2, 1024, 4))):
-                    replay, _ = graphed(plat, fn)
+                runs = [(how, tiles, k, product_chain(cfg, layers, i, dev, dt, sync))
+                        for how, tiles, k in per_product_variants()
+                        if name in ("qkv", "gate_up") or tiles == dl.CUDA_CORE_TILES]
+                runs.append(("plain (2, 1024, 4)", dl.CUDA_CORE_TILES, dl.ONE_STEP_K,
+                             gemv_chain(ms, dev, dt, 2, 1024, 4)))
+                for how, tiles, k, fn in runs:
+                    with one_row_settings(tiles, dl.NORM_BLOCK_K, k):
+                        replay, _ = graphed(plat, fn)
                     t = bs.median_ms(replay, 20, warmup=3) * 1e3
                     print(f"| {model} {name} alone, {how} | 1 | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
                           f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)

@@ -221,21 +221,24 @@ def test_norm_sums_any_block(norm_block, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_default_launch_sums_on_cuda_cores(dtype, monkeypatch):
-    """With no launch override, one row takes CUDA-core sums on 2 x 1024 tiles, unsplit, for every layer's kind
-    (K = 1100: a full tile, then a masked one), and equals the references, the k/v cache writes included; two
-    rows and a vocabulary head (not a gate_up as wide) take tensor cores. The control: the last of x's columns
+@pytest.mark.parametrize("K", [1100, 2100])
+def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):
+    """With no launch override, one row takes CUDA-core sums, unsplit, for every layer's kind, and equals the
+    references, the k/v cache writes included: K = 1100 in one step (a 2048 tile, masked: the norm's mean must
+    divide by K, not the tile), K = 2100 in a loop over 2 x 1024 tiles (two full, then a masked one). Two rows
+    and a vocabulary head (not a gate_up as wide) take tensor cores. The control: the last of x's columns
     changed, the output changes (the masked tile is read)."""
     _require_kernel()
-    assert _dl.launch_config(1, 2048, 2048, False, 2, 132) == (False, 2, 1024, 4, 2, 1)
-    assert _dl.launch_config(1, 1536, 2048, True, 4, 132, rope=True)[:3] == (False, 2, 1024)  # fp32 too
+    assert _dl.launch_config(1, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)  # one step, 8 warps
+    assert _dl.launch_config(1, 2048, 5632, False, 2, 132) == (False, 2, 1024, 4, 2, 1)
+    assert _dl.launch_config(1, 1536, 2048, True, 4, 132, rope=True)[:3] == (False, 2, 2048)  # fp32 too
     assert _dl.launch_config(2, 2048, 2048, False, 2, 132)[0]
     assert _dl.launch_config(1, _dl.VOCAB_COLS, 2048, False)[0] and not _dl.launch_config(1, _dl.VOCAB_COLS - 1,
                                                                                           2048, False)[0]
     assert not _dl.launch_config(1, _dl.VOCAB_COLS, 2048, True)[0]
-    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K", "SPLIT_K")
+    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K", "SPLIT_K", "ONE_STEP")
     g = torch.Generator().manual_seed(5)
-    K, D, Hq, Hkv, Lc = 1100, 16, 4, 1, 12
+    D, Hq, Hkv, Lc = 16, 4, 1, 12
     x, w, b, nw = _dev(*_inputs(1, 1, K, (Hq + 2 * Hkv) * D, dtype, True, True, g))
     r = _dev(torch.randn(1, 1, (Hq + 2 * Hkv) * D, generator=g).to(dtype))[0]
     cos, sin = _dev(*_rope_tables(1, 1, D, dtype, g))
@@ -249,7 +252,8 @@ def test_one_row_default_launch_sums_on_cuda_cores(dtype, monkeypatch):
     qkv = decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D)
     want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6), qkv,
             qkv[..., :Hq * D].contiguous()]
-    assert tiles == [(False, 2, 1024, 1)] * 4 and not sync.any()
+    one_step = K <= _dl.ONE_STEP_K
+    assert tiles == [(False, 2, 2048 if one_step else 1024, 1, one_step)] * 4 and not sync.any()
 
     def close(a, c):  # bf16: within a rounding of the largest output (a product rounded the other way moves)
         bound = 1e-4 if dtype == torch.float32 else 2 ** -7 * c.float().abs().max().item() + 1e-2
@@ -560,7 +564,8 @@ for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
     splits.append(split)
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
-                 BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk)
+                 BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk,
+                 ONE_STEP=not dot and split == 1 and K <= min(bk, dl.ONE_STEP_K))
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     # tensors fp32 but for the 2-byte one-row launches (the 4-row control: the 2-byte tiles on fp32 data)
     ptr = "*bf16" if rows == 1 and itemsize == 2 else "*fp32"

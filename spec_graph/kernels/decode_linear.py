@@ -48,6 +48,8 @@ SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiproce
 SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
 NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares, rounded up to a power of two and at most K's
 # (0: the product's BLOCK_K; benchmarks vary it)
+ONE_STEP_K = 2048  # CUDA-core products with K up to this read all of K in one step (_one_step_sums; 0: never;
+# benchmarks vary it)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
 # `launch_config`.
 LAUNCH: dict = {}
@@ -140,10 +142,16 @@ def _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr):
-    """x[m, kk] in x's dtype, RMS-normed as RMSNorm rounds it (x * rstd, then weight * h) when HAS_NORM."""
+    """x[m, kk] in x's dtype, RMS-normed as RMSNorm rounds it when HAS_NORM (_normed)."""
     xk = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    return _normed_tile(xk, nw_ptr, kk, k_ok, rstd, HAS_NORM, UPCAST)
+
+
+@triton.jit
+def _normed_tile(xk, nw_ptr, kk, k_ok, rstd, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr):
+    """x's tile xk (columns kk) as RMSNorm rounds it (x * rstd, then weight * h) when HAS_NORM; else xk."""
     if HAS_NORM:
-        dt = x_ptr.dtype.element_ty
+        dt = xk.dtype
         h = _rnd(xk.to(tl.float32) * rstd[:, None], dt, UPCAST)
         nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)
         xk = _rnd(nw.to(tl.float32)[None, :] * h, dt, UPCAST).to(dt)
@@ -208,6 +216,35 @@ def _store_qkv(y, col, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k
 
 
 @triton.jit
+def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, K, eps, MODE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """fp32 sums [BLOCK_M, BLOCK_N] over all of K (<= BLOCK_K) on CUDA cores in one step: the weight tiles and x
+    load together, and the norm's statistics come from the same x tile, so that a program waits on memory once
+    (a loop waits once per K step, and the norm's own pass over x once more before the weights go out)."""
+    k_ok = offs_k < K
+    w_ok = n_ok[:, None] & k_ok[None, :]
+    wa = tl.load(wa_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    if MODE != 0:
+        wb = tl.load(wb_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    else:
+        wb = wa
+    xk = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if HAS_NORM:
+        xs = xk.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) / K + tl.cast(eps, tl.float32))
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+    xf = _normed_tile(xk, nw_ptr, offs_k, k_ok, rstd, HAS_NORM, UPCAST).to(tl.float32)
+    if BLOCK_M == 1:  # x [1, BLOCK_K] broadcast over the BLOCK_N weight rows
+        acc_a = tl.sum(xf * wa, axis=1)[None, :]
+        acc_b = tl.sum(xf * wb, axis=1)[None, :]
+    else:
+        acc_a = tl.sum(xf[:, None, :] * wa[None, :, :], axis=2)
+        acc_b = tl.sum(xf[:, None, :] * wb[None, :, :], axis=2)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
         M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
@@ -216,7 +253,7 @@ def _decode_linear_kernel(
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ONE_STEP: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -238,7 +275,8 @@ def _decode_linear_kernel(
     same sums whichever arrives last), resets the count to 0 for the next launch and runs the epilogue.
     DOT: the sums on tensor cores (tl.dot; every block dim >= 16); else on CUDA cores, each thread keeping
     partial products over K until one reduction at the end (few rows: the weight tile is read once and
-    multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading).
+    multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading). ONE_STEP (CUDA
+    cores, K <= BLOCK_K, no split): no loop; every load of the program goes out at once (see _one_step_sums).
     """
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
@@ -248,51 +286,55 @@ def _decode_linear_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     ra, rb, d = _pair_rows(offs_n, N, MODE, HALF)
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK)
-    else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-
-    if DOT:
-        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    elif BLOCK_M == 1:  # one row: a 2-D [BLOCK_N, BLOCK_K] accumulator in the weight tile's own (loaded) layout
-        acc2_a = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc2_b = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
     wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
-    k_lo = (pid % SPLIT_K) * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
-        wa = tl.load(wa_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if ONE_STEP:
+        acc_a, acc_b = _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, K, eps, MODE,
+                                      HAS_NORM, UPCAST, BLOCK_M)
+    else:
+        if HAS_NORM:
+            rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK)
+        else:
+            rstd = tl.zeros([BLOCK_M], tl.float32)
+
         if DOT:
-            acc_a += _dot_t(xk, wa, IEEE, UPCAST)
-        elif BLOCK_M == 1:
-            xf = xk.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N weight rows
-            acc2_a += xf * wa.to(tl.float32)
+            acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        elif BLOCK_M == 1:  # one row: a 2-D [BLOCK_N, BLOCK_K] accumulator in the weight tile's own (loaded) layout
+            acc2_a = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc2_b = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
-            xf = xk.to(tl.float32)[:, None, :]
-            acc3_a += xf * wa.to(tl.float32)[None, :, :]
-        if MODE != 0:  # paired: a second row block
-            wb = tl.load(wb_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc3_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            acc3_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        k_lo = (pid % SPLIT_K) * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
+            wa = tl.load(wa_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if DOT:
-                acc_b += _dot_t(xk, wb, IEEE, UPCAST)
+                acc_a += _dot_t(xk, wa, IEEE, UPCAST)
             elif BLOCK_M == 1:
-                acc2_b += xf * wb.to(tl.float32)
+                xf = xk.to(tl.float32)  # [1, BLOCK_K], broadcast over the BLOCK_N weight rows
+                acc2_a += xf * wa.to(tl.float32)
             else:
-                acc3_b += xf * wb.to(tl.float32)[None, :, :]
-    if not DOT:
-        if BLOCK_M == 1:
-            acc_a = tl.sum(acc2_a, axis=1)[None, :]
-            acc_b = tl.sum(acc2_b, axis=1)[None, :]
-        else:
-            acc_a = tl.sum(acc3_a, axis=2)
-            acc_b = tl.sum(acc3_b, axis=2)
+                xf = xk.to(tl.float32)[:, None, :]
+                acc3_a += xf * wa.to(tl.float32)[None, :, :]
+            if MODE != 0:  # paired: a second row block
+                wb = tl.load(wb_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if DOT:
+                    acc_b += _dot_t(xk, wb, IEEE, UPCAST)
+                elif BLOCK_M == 1:
+                    acc2_b += xf * wb.to(tl.float32)
+                else:
+                    acc3_b += xf * wb.to(tl.float32)[None, :, :]
+        if not DOT:
+            if BLOCK_M == 1:
+                acc_a = tl.sum(acc2_a, axis=1)[None, :]
+                acc_b = tl.sum(acc2_b, axis=1)[None, :]
+            else:
+                acc_a = tl.sum(acc3_a, axis=2)
+                acc_b = tl.sum(acc3_b, axis=2)
     last = True
     if SPLIT_K > 1:
         acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
@@ -356,7 +398,8 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
                   rope: bool = False) -> tuple[bool, int, int, int, int, int]:
     """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes, measured on an H200 for 2-byte
     dtypes. Up to CUDA_CORE_ROWS rows (cuda_core_sums) the sums run on CUDA cores, unsplit, on tiles of 2
-    columns x up to 1024 of K (the fastest chain of a model's products: bench_decode_linear.py --chain). Above,
+    columns x up to 1024 of K, or all of K in one step up to ONE_STEP_K (warps scaled with it) (the fastest chain
+    of a model's products: bench_decode_linear.py --chain --one-row-grid). Above,
     and for vocabulary heads, on tensor cores, with the best tiles of a sweep per kind of layer at 2-5 rows
     (bench_decode_linear.py --sweep). fp32 (itemsize 4) on tensor cores takes smaller K tiles and 2 stages: its
     exact (no TF32) sums with the 2-byte tiles need up to 260 KB of shared memory for sm90, more than any GPU
@@ -399,6 +442,9 @@ def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, in
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
     if cuda_core_sums(rows, cols, paired):  # long thin tiles: 16 weight elements per thread and K step in flight
         block_n, block_k, warps, stages = CUDA_CORE_TILES[paired]
+        if k <= ONE_STEP_K:  # all of K in one step, each thread reading as many elements as the tile's
+            warps = max(warps, warps * block_for(k) // block_k)
+            block_k = block_for(k)
         return False, block_n, min(block_k, max(16, block_for(k))), warps, stages
     block_k = min(256, max(16, block_for(k)))
     if cols >= VOCAB_COLS:  # vocabulary heads (and the widest gate_up products)
@@ -445,6 +491,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         split = 1
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)  # no program without K tiles
+    one_step = not dot and split == 1 and K <= min(block_k, ONE_STEP_K)
     ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
     if kv is None:
@@ -464,7 +511,8 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, SPLIT_K=split, NORM_BLOCK=block_for(min(NORM_BLOCK_K, K)) if NORM_BLOCK_K > 0 else block_k)
+        num_stages=stages, SPLIT_K=split, NORM_BLOCK=block_for(min(NORM_BLOCK_K, K)) if NORM_BLOCK_K > 0 else block_k,
+        ONE_STEP=one_step)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
