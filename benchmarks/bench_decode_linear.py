@@ -1,7 +1,7 @@
 """The fused decode linear kernels (kernels/decode_linear.py) against cuBLAS, per layer shape of bench_step.py's pair.
 
     python benchmarks/bench_decode_linear.py [--rows 1,5,8,40] [--sweep | --chain [--norm-blocks 0,512] [--ablate]
-        [--one-row-grid] [--per-product]]
+        [--one-row-grid] [--per-product] [--one-step-rows]]
 
 For each linear layer of the target and the draft (qkv with RMSNorm and RoPE, o_proj with the residual add,
 gate_up with RMSNorm and SiLU*up, down_proj with the residual add, lm_head with the final norm) and each row
@@ -22,7 +22,9 @@ the residual, and a chain of plain one-row products (no norm, epilogue or split:
 --one-row-grid times the chain at one row under other CUDA-core tiles, each with the kernel's ONE_STEP_K as set and
 lower (ONE_STEP_K_OTHER). --per-product times each of a layer's four products alone through the layers at one row,
 fused (at each ONE_STEP_K; the paired ones also on the grid's first paired tile) and as plain one-row products over
-the same weights: which product holds the fused chain above the plain one. CUDA only.
+the same weights: which product holds the fused chain above the plain one. --one-step-rows times each row count
+above ONE_STEP_ROWS again with it raised to that count: the products whose K fits ONE_STEP_K on CUDA cores in one
+step, a row at a time (the others on tensor cores), against tensor cores for all. CUDA only.
 """
 from __future__ import annotations
 
@@ -252,11 +254,12 @@ def per_product_variants() -> list[tuple[str, dict, int]]:
 
 
 def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False,
-              per_product: bool = False) -> None:
+              per_product: bool = False, one_step_rows: bool = False) -> None:
     """Each model's linear kernels chained through its layers in one graph, against the bytes floor; then the
     streaming and empty baselines over the same weights (ablate: also the fused chain without split-K, norm or
     residual, and a chain of plain one-row products; one_row_grid: one row under other CUDA-core tiles;
-    per_product: each of a layer's products alone through the layers, fused and plain, at one row)."""
+    per_product: each of a layer's products alone through the layers, fused and plain, at one row;
+    one_step_rows: each row count above ONE_STEP_ROWS also with ONE_STEP_ROWS raised to it)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -279,6 +282,13 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 dl.NORM_BLOCK_K = nb
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                if one_step_rows and M > dl.ONE_STEP_ROWS:
+                    saved_rows, dl.ONE_STEP_ROWS = dl.ONE_STEP_ROWS, M
+                    try:
+                        replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
+                    finally:
+                        dl.ONE_STEP_ROWS = saved_rows
+                    row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
             dl.NORM_BLOCK_K = saved
         if one_row_grid:
@@ -336,14 +346,16 @@ def main() -> None:
                     help="--chain: also one row under other CUDA-core tiles and norm steps, one change at a time")
     ap.add_argument("--per-product", action="store_true",
                     help="--chain: also each of a layer's products alone through the layers, fused and plain")
+    ap.add_argument("--one-step-rows", action="store_true",
+                    help="--chain: also each row count with the products whose K fits one step on CUDA cores")
     a = ap.parse_args()
-    if (a.norm_blocks != "0" or a.ablate or a.one_row_grid or a.per_product) and not a.chain:
-        ap.error("--norm-blocks, --ablate, --one-row-grid and --per-product go with --chain")
+    if (a.norm_blocks != "0" or a.ablate or a.one_row_grid or a.per_product or a.one_step_rows) and not a.chain:
+        ap.error("--norm-blocks, --ablate, --one-row-grid, --per-product and --one-step-rows go with --chain")
     plat = sg_platform.current()
     if plat.name != "cuda":
         sys.exit("bench_decode_linear.py needs a CUDA GPU")
     if a.chain:
-        return run_chain(plat, a.rows, a.norm_blocks, a.ablate, a.one_row_grid, a.per_product)
+        return run_chain(plat, a.rows, a.norm_blocks, a.ablate, a.one_row_grid, a.per_product, a.one_step_rows)
     dev, dt = plat.device, torch.bfloat16
     sms = sg_platform.multiprocessors(dev)
     print(f"# decode linear kernels on {plat.device_name()}, bf16, torch {torch.__version__}, "

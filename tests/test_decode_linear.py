@@ -268,6 +268,30 @@ def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):
     assert not close(decode_linear(x2, w, b, residual=r, sync=sync), want[0])
 
 
+def test_few_rows_sum_in_one_step_when_set(monkeypatch):
+    """ONE_STEP_ROWS raised to 5: five rows (one row block of 8, its 3 padding rows skipped) sum on CUDA cores in
+    one step, a row at a time, each normed from its own statistics, and equal the references; K past ONE_STEP_K
+    and six rows stay on tensor cores. The default (1) keeps five rows on tensor cores."""
+    _require_kernel()
+    assert _dl.launch_config(5, 2048, 2048, False, 2, 132)[0]
+    monkeypatch.setattr(_dl, "ONE_STEP_ROWS", 5)
+    assert _dl.launch_config(5, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)
+    assert _dl.launch_config(5, 2048, 5632, False, 2, 132)[0] and _dl.launch_config(6, 2048, 2048, False, 2, 132)[0]
+    tiles = _record_launches(monkeypatch, "DOT", "BLOCK_M", "ONE_STEP")
+    g = torch.Generator().manual_seed(7)
+    K, D, heads = 300, 16, 3
+    x, w, b, nw = _dev(*_inputs(1, 5, K, heads * D, torch.float32, True, True, g))
+    x = x * torch.arange(1, 6, device=DEV, dtype=x.dtype)[None, :, None]  # rows of other scales: per-row norms
+    r = _dev(torch.randn(1, 5, heads * D, generator=g))[0]
+    cos, sin = _dev(*_rope_tables(1, 5, D, torch.float32, g))
+    got = [decode_linear(x, w, b, residual=r), decode_gate_up(x, w, b, nw, 1e-6),
+           decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, heads, D)]
+    want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6),
+            decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, heads, D)]
+    assert tiles == [(False, 8, True)] * 3
+    assert all(_close(a, c, torch.float32) for a, c in zip(got, want))
+
+
 def test_broken_epilogues_are_caught():
     """The comparisons can fail: each reference with one part of its math changed differs from the kernel."""
     _require_kernel()

@@ -35,6 +35,7 @@ from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 1  # up to this many rows the sums run on CUDA cores (tensor cores measured faster above)
+ONE_STEP_ROWS = 1  # ... and up to this many where all of K fits one step (ONE_STEP_K; benchmarks vary it)
 VOCAB_COLS = 16384  # unpaired products this wide are vocabulary heads: tensor cores at any row count
 # (BLOCK_N, BLOCK_K at most, num_warps, num_stages) of CUDA-core launches, by whether the product is paired
 # (a paired program reads 2 x BLOCK_N weight rows)
@@ -142,7 +143,7 @@ def _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr):
-    """x[m, kk] in x's dtype, RMS-normed as RMSNorm rounds it when HAS_NORM (_normed)."""
+    """x[m, kk] in x's dtype, RMS-normed as RMSNorm rounds it when HAS_NORM (_normed_tile)."""
     xk = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     return _normed_tile(xk, nw_ptr, kk, k_ok, rstd, HAS_NORM, UPCAST)
 
@@ -216,31 +217,48 @@ def _store_qkv(y, col, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k
 
 
 @triton.jit
-def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, K, eps, MODE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps, MODE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 sums [BLOCK_M, BLOCK_N] over all of K (<= BLOCK_K) on CUDA cores in one step: the weight tiles and x
     load together, and the norm's statistics come from the same x tile, so that a program waits on memory once
     (a loop waits once per K step, and the norm's own pass over x once more before the weights go out)."""
     k_ok = offs_k < K
     w_ok = n_ok[:, None] & k_ok[None, :]
     wa = tl.load(wa_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
-    if MODE != 0:
+    wb = wa
+    if MODE != 0:  # paired: a second row block
         wb = tl.load(wb_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
-    else:
-        wb = wa
-    xk = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if BLOCK_M == 1:
+        acc_a, acc_b = _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, m_ok, K, eps, MODE, HAS_NORM, UPCAST)
+    else:  # a row at a time, each x row in the weight tile's layout (a 3-D product would not fit the registers)
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:  # the padding rows of the block skip their reductions
+                ra_m, rb_m = _one_row_sums(wa, wb, x_ptr + m * sxm, nw_ptr, offs_k, k_ok, True, K, eps, MODE,
+                                           HAS_NORM, UPCAST)
+                mine = (offs_m == m)[:, None]
+                acc_a = tl.where(mine, ra_m, acc_a)
+                acc_b = tl.where(mine, rb_m, acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, row_ok, K, eps, MODE: tl.constexpr, HAS_NORM: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """[1, BLOCK_N] sums of one x row (at x_ptr; zeros unless row_ok) with the fp32 weight tiles wa, wb (wb's
+    only when paired), the row RMS-normed from its own statistics when HAS_NORM."""
+    xk = tl.load(x_ptr + offs_k[None, :], mask=row_ok & k_ok[None, :], other=0.0)
     if HAS_NORM:
         xs = xk.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) / K + tl.cast(eps, tl.float32))
     else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-    xf = _normed_tile(xk, nw_ptr, offs_k, k_ok, rstd, HAS_NORM, UPCAST).to(tl.float32)
-    if BLOCK_M == 1:  # x [1, BLOCK_K] broadcast over the BLOCK_N weight rows
-        acc_a = tl.sum(xf * wa, axis=1)[None, :]
+        rstd = tl.zeros([1], tl.float32)
+    xf = _normed_tile(xk, nw_ptr, offs_k, k_ok, rstd, HAS_NORM, UPCAST).to(tl.float32)  # broadcast over the rows
+    acc_a = tl.sum(xf * wa, axis=1)[None, :]
+    acc_b = acc_a  # unpaired: unused
+    if MODE != 0:
         acc_b = tl.sum(xf * wb, axis=1)[None, :]
-    else:
-        acc_a = tl.sum(xf[:, None, :] * wa[None, :, :], axis=2)
-        acc_b = tl.sum(xf[:, None, :] * wb[None, :, :], axis=2)
     return acc_a, acc_b
 
 
@@ -289,8 +307,8 @@ def _decode_linear_kernel(
     wa_ptr = w_ptr + ra.to(tl.int64)[:, None] * swn  # 64-bit: a vocabulary head can pass 2^31 elements
     wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
     if ONE_STEP:
-        acc_a, acc_b = _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, K, eps, MODE,
-                                      HAS_NORM, UPCAST, BLOCK_M)
+        acc_a, acc_b = _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps,
+                                      MODE, HAS_NORM, UPCAST, BLOCK_M, BLOCK_N)
     else:
         if HAS_NORM:
             rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK)
@@ -431,16 +449,17 @@ def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
     return split
 
 
-def cuda_core_sums(rows: int, cols: int, paired: bool) -> bool:
-    """Whether a product of this many rows and output columns sums on CUDA cores by default."""
-    return rows <= CUDA_CORE_ROWS and (paired or cols < VOCAB_COLS)
+def cuda_core_sums(rows: int, cols: int, paired: bool, k: int = 0) -> bool:
+    """Whether a product of this many rows, output columns and K sums on CUDA cores by default."""
+    few = rows <= CUDA_CORE_ROWS or (rows <= ONE_STEP_ROWS and k <= ONE_STEP_K)
+    return few and (paired or cols < VOCAB_COLS)
 
 
 def _launch_config(rows: int, cols: int, k: int, paired: bool) -> tuple[bool, int, int, int, int]:
     if LAUNCH:
-        return (LAUNCH.get("DOT", not cuda_core_sums(rows, cols, paired)), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
+        return (LAUNCH.get("DOT", not cuda_core_sums(rows, cols, paired, k)), LAUNCH["BLOCK_N"], LAUNCH["BLOCK_K"],
                 LAUNCH.get("num_warps", 4), LAUNCH.get("num_stages", 3))
-    if cuda_core_sums(rows, cols, paired):  # long thin tiles: 16 weight elements per thread and K step in flight
+    if cuda_core_sums(rows, cols, paired, k):  # long thin tiles: 16 weight elements per thread and K step in flight
         block_n, block_k, warps, stages = CUDA_CORE_TILES[paired]
         if k <= ONE_STEP_K:  # all of K in one step, each thread reading as many elements as the tile's
             warps = max(warps, warps * block_for(k) // block_k)
