@@ -2,16 +2,16 @@
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
         [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
-        [--device cpu] [--prior-shrinks 0.9:4]
+        [--device cpu] [--prior-shrinks 0.9:4] [--seeds 0,1,2]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
 ((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy (or sampled at --temperature
-with one seed for every run), at each fixed K and at K="auto", and each run is priced as if each replay had
-taken ``times[K] + overhead`` ms (defaults: the H200 table
-the auto engine measured at B=1 for the embedded pair, and the host time per replay read from that run's
-fixed-K rows; RESULTS.md, 2026-12-01). The chooser sees ``times[K]`` as its table, plus the overhead for the
-variants marked "+h"; each variant runs again blind to the work each row has left (the most tokens per second
-over the busy rows at every replay, as the engine chose before). Simulated tok/ms = generated tokens / priced
+under the same --seeds for every run, a whole pass each), at each fixed K and at K="auto", and each run is priced
+as if each replay had taken ``times[K] + overhead`` ms (defaults: the H200 table the auto engine measured at B=1
+for the embedded pair, and the host time per replay read from that run's fixed-K rows; RESULTS.md, 2026-12-01).
+The chooser sees ``times[K]`` as its table, plus the overhead for the variants marked "+h"; each variant runs
+again blind to the work each row has left (the most tokens per second over the busy rows at every replay, as the
+engine chose before). Simulated tok/ms = generated tokens / priced
 time (prefills left out: equal for all).
 """
 from __future__ import annotations
@@ -49,9 +49,10 @@ def prior_as(shrink: float, weight: float):
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
-    """Generated tokens per priced ms."""
-    ks = stats.k_per_step or [fixed_k] * stats.steps
-    return stats.generated_tokens / sum(times[k] + overhead for k in ks)
+    """Generated tokens per priced ms (stats: one call's, or a list of calls' summed)."""
+    runs = stats if isinstance(stats, list) else [stats]
+    ms = sum(times[k] + overhead for s in runs for k in (s.k_per_step or [fixed_k] * s.steps))
+    return sum(s.generated_tokens for s in runs) / ms
 
 
 def main() -> None:
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (token verification)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seeds", default=str(ba.SEED),
+                    help="sampling seeds: each cell sums every seed's tokens and priced time (sampled runs vary by "
+                         "several percent from one seed to the next)")
     ap.add_argument("--prior-shrinks", default="",
                     help="also the engine's chooser (+h) with other priors per position, as shrink:weight pairs "
                          "(0.9:4: the rate of the position before x 0.9, weighing 4 row-steps)")
@@ -73,10 +77,11 @@ def main() -> None:
     times = dict(zip(ks, (float(t) for t in a.times.split(","))))
     if len(times) != len(ks):
         ap.error("--times needs one value per K of --k-set")
-    B, seed = a.batch_size, ba.SEED
+    B, seeds = a.batch_size, [int(x) for x in a.seeds.split(",")]
     wl = {w: p[:a.prompts] for w, p in ba.workloads(a.prompts).items()}
     rows = {}
-    gen = lambda dec, w: dec.generate(wl[w], a.max_new_tokens, temperature=a.temperature, seed=seed).stats  # noqa
+    gen = lambda dec, w: [dec.generate(wl[w], a.max_new_tokens, temperature=a.temperature, seed=seed).stats  # noqa
+                          for seed in seeds]
     for k in ks:
         dec = engine(k, B, max(ks), a.device)
         rows[f"K={k}"] = [priced(gen(dec, w), times, a.overhead, k) for w in ba.WORKLOADS]
@@ -95,7 +100,7 @@ def main() -> None:
                 prior_as(shrink, weight):
             out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[name] = [priced(s, times, a.overhead) for s in out]
-        mean_k = [sum(s.k_per_step) / len(s.k_per_step) for s in out]
+        mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]
         print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
               + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
     best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
