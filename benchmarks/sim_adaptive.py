@@ -89,7 +89,7 @@ def main() -> None:
     dec = engine(ba.AUTO, B, max(ks), a.device)
     dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
     variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
-                 h, 1.0, adaptive.PRIOR_WEIGHT, by_row)
+                 h, adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT, by_row)
                 for d in (float(x) for x in a.decays.split(",")) for h in (False, True) for by_row in (True, False)]
     for item in (x for x in a.prior_shrinks.split(",") if x):
         shrink, weight = (float(v) for v in item.split(":"))
