@@ -449,7 +449,13 @@ def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
     return split
 
 
-def cuda_core_sums(rows: int, cols: int, paired: bool, k: int = 0) -> bool:
+def one_step(dot: bool, split: int, k: int, block_k: int) -> bool:
+    """Whether a launch reads all of its K in one step (the kernel's ONE_STEP): CUDA-core sums, unsplit, K within
+    one tile and ONE_STEP_K."""
+    return not dot and split == 1 and k <= min(block_k, ONE_STEP_K)
+
+
+def cuda_core_sums(rows: int, cols: int, paired: bool, k: int) -> bool:
     """Whether a product of this many rows, output columns and K sums on CUDA cores by default."""
     few = rows <= CUDA_CORE_ROWS or (rows <= ONE_STEP_ROWS and k <= ONE_STEP_K)
     return few and (paired or cols < VOCAB_COLS)
@@ -510,7 +516,6 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         split = 1
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)  # no program without K tiles
-    one_step = not dot and split == 1 and K <= min(block_k, ONE_STEP_K)
     ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
     if kv is None:
@@ -531,7 +536,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, SPLIT_K=split, NORM_BLOCK=block_for(min(NORM_BLOCK_K, K)) if NORM_BLOCK_K > 0 else block_k,
-        ONE_STEP=one_step)
+        ONE_STEP=one_step(dot, split, K, block_k))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
