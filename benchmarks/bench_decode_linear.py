@@ -24,7 +24,8 @@ lower (ONE_STEP_K_OTHER). --per-product times each of a layer's four products al
 fused (at each ONE_STEP_K; the paired ones also on the grid's first paired tile) and as plain one-row products over
 the same weights: which product holds the fused chain above the plain one. --one-step-rows times each row count
 above ONE_STEP_ROWS again with it raised to that count: the products whose K fits ONE_STEP_K on CUDA cores in one
-step, a row at a time (the others on tensor cores), against tensor cores for all. CUDA only.
+step, a row at a time (the others on tensor cores), against tensor cores for all; with --per-product, each product
+alone at each such row count both ways too. CUDA only.
 """
 from __future__ import annotations
 
@@ -164,15 +165,15 @@ def chain(cfg: dict, layers: list, M: int, dev, dt, sync, norm: bool = True, res
     return run
 
 
-def product_chain(cfg: dict, layers: list, i: int, dev, dt, sync):
-    """run: product i (of PRODUCTS) of every layer alone, fused as a one-row decode forward runs it (the norm in
-    qkv's and gate_up's prologue, the residual in o's and down's epilogue), on fixed inputs (one stream orders
-    the launches)."""
+def product_chain(cfg: dict, layers: list, i: int, dev, dt, sync, M: int = 1):
+    """run: product i (of PRODUCTS) of every layer alone at M rows, fused as a decode forward runs it (the norm
+    in qkv's and gate_up's prologue, the residual in o's and down's epilogue), on fixed inputs (one stream
+    orders the launches)."""
     H, Hq, Hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = H // Hq
-    nw, r = torch.ones(H, device=dev, dtype=dt), torch.randn(1, H, device=dev, dtype=dt)
-    cos, sin = torch.randn(1, D, device=dev, dtype=dt), torch.randn(1, D, device=dev, dtype=dt)
-    xs = {k: torch.randn(1, k, device=dev, dtype=dt) for k in {layer[i].shape[1] for layer in layers}}
+    nw, r = torch.ones(H, device=dev, dtype=dt), torch.randn(M, H, device=dev, dtype=dt)
+    cos, sin = torch.randn(M, D, device=dev, dtype=dt), torch.randn(M, D, device=dev, dtype=dt)
+    xs = {k: torch.randn(M, k, device=dev, dtype=dt) for k in {layer[i].shape[1] for layer in layers}}
 
     def run():
         for layer in layers:
@@ -237,6 +238,16 @@ def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
         dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K = saved
 
 
+@contextlib.contextmanager
+def one_step_rows(n: int):
+    """decode_linear's ONE_STEP_ROWS set to n inside, restored after."""
+    saved, dl.ONE_STEP_ROWS = dl.ONE_STEP_ROWS, n
+    try:
+        yield
+    finally:
+        dl.ONE_STEP_ROWS = saved
+
+
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
     """The chain at one row under each of one_row_variants."""
     for label, tiles, nb, k in one_row_variants():
@@ -283,11 +294,8 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
                 if one_step_rows and M > dl.ONE_STEP_ROWS:
-                    saved_rows, dl.ONE_STEP_ROWS = dl.ONE_STEP_ROWS, M
-                    try:
+                    with one_step_rows(M):
                         replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
-                    finally:
-                        dl.ONE_STEP_ROWS = saved_rows
                     row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
             dl.NORM_BLOCK_K = saved
@@ -321,6 +329,16 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                     t = bs.median_ms(replay, 20, warmup=3) * 1e3
                     print(f"| {model} {name} alone, {how} | 1 | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
                           f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
+                for M in (int(m) for m in rows.split(",")) if one_step_rows else ():
+                    if M <= dl.ONE_STEP_ROWS:
+                        continue
+                    fn = product_chain(cfg, layers, i, dev, dt, sync, M)
+                    for how, n in (("default", dl.ONE_STEP_ROWS), (f"ONE_STEP_ROWS {M}", M)):
+                        with one_step_rows(n):
+                            replay, _ = graphed(plat, fn)
+                        t = bs.median_ms(replay, 20, warmup=3) * 1e3
+                        print(f"| {model} {name} alone, {how} | {M} | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
+                              f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))

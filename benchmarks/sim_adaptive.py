@@ -13,11 +13,20 @@ The chooser sees ``times[K]`` as its table, plus the overhead for the variants m
 again blind to the work each row has left (the most tokens per second over the busy rows at every replay, as the
 engine chose before). Simulated tok/ms = generated tokens / priced
 time (prefills left out: equal for all).
+
+--oracle (greedy, batch size 1) adds the most any choice of K per step could reach. Greedy output is the same for
+every K, so a step that starts at committed length c commits min(a(c), K) + 1 tokens, a(c) being how many of
+the output's next tokens the draft predicts in a row (read from one teacher-forced draft forward over prompt and
+output); a shortest-path over c with the same prices picks each step's K knowing a(c). The same model also prices
+each fixed K, which checks it against the engine's runs, and the best rule that picks K from the step before's
+outcome alone, fitted to the same runs (a bound on choosers that remember one step).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -26,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_adaptive as ba  # noqa: E402
+import torch  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 
@@ -55,6 +65,84 @@ def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
     return sum(s.generated_tokens for s in runs) / ms
 
 
+def draft_runs(dec: SpecDecoder, result) -> list[int]:
+    """a(c) for each committed length c from the prompt's end + 1 to the output's end: how many output tokens
+    from position c on the draft predicts in a row, given the true tokens before each (one forward)."""
+    seq = list(result.prompt_token_ids) + list(result.token_ids)
+    kv = dec.draft.new_kv_cache(1, len(seq))
+    with torch.no_grad():
+        logits = dec.draft(torch.tensor([seq]), torch.arange(len(seq))[None], *kv)[0]
+    hit = (logits[:-1].argmax(-1) == torch.tensor(seq[1:])).tolist()  # hit[j]: position j + 1 predicted
+    runs, run = [0] * len(seq), 0
+    for j in range(len(seq) - 2, -1, -1):
+        run = run + 1 if hit[j] else 0
+        runs[j + 1] = run
+    return runs[len(result.prompt_token_ids) + 1:]
+
+
+def oracle_ms(runs: list[int], price: dict) -> float:
+    """The least priced ms to commit every token after the first, a step at offset c committing
+    min(runs[c], K) + 1 tokens at price[K]."""
+    n = len(runs)
+
+    @functools.lru_cache(maxsize=None)
+    def best(c: int) -> float:
+        return 0.0 if c >= n else min(price[k] + best(c + min(runs[c], k) + 1) for k in price)
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * n + 100))
+    return best(0)
+
+
+def policy_ms(runs: list[int], price: dict, choose) -> float:
+    """Priced ms of the steps that K = choose(the step before's (K, accepted), None at first) takes."""
+    c, ms, last = 0, 0.0, None
+    while c < len(runs):
+        k = choose(last)
+        last = (k, min(runs[c], k))
+        c, ms = c + last[1] + 1, ms + price[k]
+    return ms
+
+
+def fitted_memory_policy(seqs: list, price: dict, first: int) -> float:
+    """tok/ms of the best rule "K from the step before's accepted count and whether it took all K" fitted to
+    these very runs (coordinate ascent over the rule's table): what any chooser that remembers one step could
+    reach at most, about."""
+    states = [(a, full) for a in range(max(price) + 1) for full in (False, True)]
+    table = dict.fromkeys(states, first)
+    choose = lambda last: first if last is None else table[(last[1], last[1] == last[0])]  # noqa: E731
+    rate = lambda: sum(n for n, _ in seqs) / sum(policy_ms(r, price, choose) for _, r in seqs)  # noqa: E731
+    best = rate()
+    for _ in range(3):
+        for state, k in itertools.product(states, price):
+            old, table[state] = table[state], k
+            got = rate()
+            if got > best:
+                best = got
+            else:
+                table[state] = old
+    return best
+
+
+def run_oracle(wl: dict, ks: list, times: dict, overhead: float, max_new: int, device: str) -> dict:
+    """{name: [tok/ms per workload]}: the oracle, the fitted one-step rule, and each fixed K under the same model
+    (which should equal the engine's fixed-K rows)."""
+    dec = engine(1, 1, max(ks), device)
+    price = {k: times[k] + overhead for k in ks}
+    rows: dict = {}
+    for w in ba.WORKLOADS:
+        seqs = []
+        for p in wl[w]:
+            (res,) = dec.generate([p], max_new)
+            seqs.append((len(res.token_ids), draft_runs(dec, res)))
+        tokens = sum(n for n, _ in seqs)
+        rows.setdefault("oracle K per step", []).append(tokens / sum(oracle_ms(r, price) for _, r in seqs))
+        rows.setdefault("best one-step rule, fitted to these runs", []).append(
+            fitted_memory_policy(seqs, price, 4 if 4 in price else ks[0]))
+        for k in ks:
+            ms = sum(policy_ms(r, price, lambda last, k=k: k) for _, r in seqs)
+            rows.setdefault(f"modelled K={k}", []).append(tokens / ms)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--times", default="0.294,0.399,0.501,0.606,0.815,1.031", help="ms per step for each K of --k-set")
@@ -63,7 +151,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try")
+    ap.add_argument("--decays", default="0.9,0.95,0.98", help="chooser decays per row-step to try (empty: none)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (token verification)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seeds", default=str(ba.SEED),
@@ -72,6 +160,8 @@ def main() -> None:
     ap.add_argument("--prior-shrinks", default="",
                     help="also the engine's chooser (+h) with other priors per position, as shrink:weight pairs "
                          "(0.9:4: the rate of the position before x 0.9, weighing 4 row-steps)")
+    ap.add_argument("--oracle", action="store_true",
+                    help="also the best K per step chosen knowing each step's acceptance (greedy, batch size 1)")
     a = ap.parse_args()
     ks = [int(k) for k in a.k_set.split(",")]
     times = dict(zip(ks, (float(t) for t in a.times.split(","))))
@@ -86,15 +176,17 @@ def main() -> None:
         dec = engine(k, B, max(ks), a.device)
         rows[f"K={k}"] = [priced(gen(dec, w), times, a.overhead, k) for w in ba.WORKLOADS]
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
-    dec = engine(ba.AUTO, B, max(ks), a.device)
-    dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
+    decays = [float(x) for x in a.decays.split(",") if x]
     variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
                  h, adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT, by_row)
-                for d in (float(x) for x in a.decays.split(",")) for h in (False, True) for by_row in (True, False)]
+                for d in decays for h in (False, True) for by_row in (True, False)]
     for item in (x for x in a.prior_shrinks.split(",") if x):
         shrink, weight = (float(v) for v in item.split(":"))
         variants += [(f"auto decay {d} +h, prior x{shrink} weight {weight:g}", d, True, shrink, weight, True)
-                     for d in (float(x) for x in a.decays.split(","))]
+                     for d in decays]
+    if variants:
+        dec = engine(ba.AUTO, B, max(ks), a.device)
+        dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
     for name, decay, with_h, shrink, weight, by_row in variants:
         with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), \
                 prior_as(shrink, weight):
@@ -103,6 +195,10 @@ def main() -> None:
         mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]
         print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
               + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
+    if a.oracle:
+        if a.temperature or B != 1:
+            ap.error("--oracle prices greedy runs at batch size 1")
+        rows.update(run_oracle(wl, ks, times, a.overhead, a.max_new_tokens, a.device))
     best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
     print(f"\ntemperature {a.temperature}")
     print("| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")
