@@ -332,7 +332,8 @@ def bench_target_decode(target, B: int, iters: int, graphs: GraphSet) -> float:
     f = torch.compile(lambda: target(tok, pos, *kv), fullgraph=True, dynamic=False)
     with torch.no_grad():
         assert graphs.capture(("decode", B), f)
-        return median_ms(lambda: graphs.replay(("decode", B)), iters), kernel_count(lambda: graphs.replay(("decode", B)))
+        replay = lambda: graphs.replay(("decode", B))  # noqa: E731
+        return median_ms(replay, iters), kernel_count(replay)
 
 
 def host_cpu_per_token(dec: SpecDecoder, B: int, steps_per_graph: int, bar: Bar) -> tuple[float, float]:

@@ -15,7 +15,7 @@ import torch
 from . import platform as _platform
 from .capture import CapturedFunction
 from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
-from .passes.manager import PassManager
+from .passes.manager import PassManager, check_enabled
 
 BACKEND_NAME = "spec_graph"
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -51,9 +51,9 @@ class BackendOptions:
         opts = cls(**options)
         if opts.on_passes is not None and not callable(opts.on_passes):
             raise ValueError(f"options['on_passes'] must be callable, got {opts.on_passes!r}")
-        bad = sorted(set(opts.passes) - set(PassManager.names()))
-        if bad:
-            raise ValueError(f"unknown pass name(s) {bad} in options['passes']; known: {PassManager.names()}")
+        if not isinstance(opts.passes, dict):
+            raise ValueError(f"options['passes'] must be a dict {{pass name: True or False}}, got {opts.passes!r}")
+        check_enabled(opts.passes)
         return opts
 
 

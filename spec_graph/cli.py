@@ -96,11 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", help="draft HF checkpoint directory (default: the embedded pair)")
     e.add_argument("-k", "--num-speculative-tokens", dest="k", type=_k_value, default=4,
                    help="draft tokens per step (1..16)")
-    e.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="comma-separated batch sizes (default 1,4,8)")
+    e.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8],
+                   help="comma-separated batch sizes (default 1,4,8)")
     e.add_argument("--max-len", type=int, default=None,
                    help="longest prompt + output a request may reach (default 512, at most the models' window)")
     e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    e.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found); the package runs there only")
+    e.add_argument("--device", default=None,
+                   help="cuda, npu or cpu (default: the best found); the package runs there only")
     e.add_argument("-o", "--output", required=True, help="the package to write (e.g. pair.pt2)")
     e.add_argument("--sampling", action="store_true",
                    help="also export the sampling step (temperature > 0); without it the package is greedy only")
@@ -218,8 +220,10 @@ def _generate(a) -> int:
     prompts = a.prompt if a.prompt is not None else a.prompt_ids
     _set_threads(a)
     from .config import check_device
+    from .sampling import SamplingParams
 
     check_device(a.device)
+    SamplingParams(a.temperature, a.top_p, a.top_k)  # refused before any model loads
     if a.exported is not None:
         dec = _load_exported(a)
         a.k = dec.K

@@ -79,10 +79,21 @@ class SpecGraphConfig:
             self.max_len = DEFAULT_MAX_LEN
         if not _is_int(self.max_len) or self.max_len < 2:
             raise ValueError(f"max_len must be an integer >= 2, got {self.max_len!r}")
-        buckets = tuple(sorted({int(b) for b in self.batch_buckets}))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"batch_buckets must be positive integers, got {self.batch_buckets!r}")
-        self.batch_buckets = buckets
+        bb = self.batch_buckets
+        if not isinstance(bb, (list, tuple, set, frozenset, range)) or not bb \
+                or not all(_is_int(b) and b >= 1 for b in bb):
+            raise ValueError(f"batch_buckets must be a non-empty list of positive integers (padded batch sizes such "
+                             f"as [1, 2, 4, 8]), got {bb!r}")
+        self.batch_buckets = tuple(sorted(set(bb)))
+        if self.enable_graph not in (None, True, False):
+            raise ValueError(f"enable_graph must be True, False or None (on where the platform has graphs), "
+                             f"got {self.enable_graph!r}")
+        if not isinstance(self.passes, dict):
+            raise ValueError(f"passes must be a dict {{pass name: True or False}}, got {self.passes!r}")
+        if self.passes:
+            from .passes.manager import check_enabled
+
+            check_enabled(self.passes)
         if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
         if self.verification not in VERIFICATIONS:

@@ -508,7 +508,8 @@ class ExportedRunner(DecoderBase):
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         kv = self.metadata["kv_cache"]
-        make = lambda n: torch.zeros(kv[n]["shape"], dtype=getattr(torch, kv[n]["dtype"]), device=self.device)  # noqa: E731
+        make = lambda n: torch.zeros(kv[n]["shape"], dtype=getattr(torch, kv[n]["dtype"]),  # noqa: E731
+                                     device=self.device)
         assert kv["target_k"]["shape"][1] == rows and kv["target_k"]["shape"][3] == cache_len
         return (make("target_k"), make("target_v")), (make("draft_k"), make("draft_v"))
 

@@ -179,6 +179,8 @@ class DecoderBase(StepTimes):
     def _encode(self, prompts, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
@@ -325,7 +327,7 @@ class DecoderBase(StepTimes):
         The compiled step functions are kept, so re-capturing costs no compilation.
         """
         if steps_per_graph is not None:
-            if not isinstance(steps_per_graph, int) or steps_per_graph < 1:
+            if not _is_int(steps_per_graph) or steps_per_graph < 1:
                 raise ValueError(f"steps_per_graph must be a positive integer, got {steps_per_graph!r}")
             self.config.steps_per_graph = steps_per_graph
         if self.graphs is not None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .kernels import (DRAFT_POS_BASE, PLACEHOLDER, REQUEST_ROW, greedy_accept_prepare, greedy_accept_prepare_ref, prepare_next,
-                      prepare_next_ref, race_sample)
+from .kernels import (DRAFT_POS_BASE, PLACEHOLDER, REQUEST_ROW, greedy_accept_prepare, greedy_accept_prepare_ref,
+                      prepare_next, prepare_next_ref, race_sample)
 from .sampling import logits_to_probs
 
 # Module-level so that tests can swap in deliberately broken samplers.

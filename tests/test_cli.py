@@ -94,6 +94,8 @@ def test_explicit_pair(capsys, llama_pair):
     (["generate", "--prompt", "x", "--device", "tpu"], "unsupported device"),
     (["generate", "--prompt", "x", "--temperature", "inf"], "temperature"),
     (["generate", "--prompt", "x", "--top-p", "nan"], "top_p"),
+    (["generate", "--prompt", "x", "--target", "/no/such/dir", "--draft", "/no/such/dir", "--top-k", "-1"],
+     "top_k"),  # refused before any checkpoint is read
     (["generate", "--prompt-ids", ",".join(["65"] * 5000)], "5064 positions, past the model's window of 1024"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):

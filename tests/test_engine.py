@@ -219,9 +219,34 @@ def test_error_k_out_of_range(K):
         SpecGraphConfig(num_speculative_tokens=K)
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("batch_buckets", (1.5, 2), "batch_buckets must be a non-empty list of positive integers"),
+    ("batch_buckets", "12", "batch_buckets"), ("batch_buckets", (), "batch_buckets"),
+    ("batch_buckets", (True,), "batch_buckets"), ("batch_buckets", None, "batch_buckets"),
+    ("enable_graph", "no", "enable_graph must be True, False or None"),
+    ("passes", None, "passes must be a dict"),
+    ("passes", {"fuse_greedy_acept": False}, r"unknown pass name\(s\) \['fuse_greedy_acept'\].*fuse_greedy_accept"),
+    ("passes", {"fuse_greedy_accept": "false"}, "True or False"),
+])
+def test_error_bad_engine_settings(field, value, match):
+    """Each is refused by name: a float bucket is not truncated, "no" does not read as on, a misspelled pass
+    or a string "false" does not leave the pass silently on."""
+    with pytest.raises(ValueError, match=match):
+        SpecGraphConfig(**{field: value})
+
+
+def test_engine_settings_accepted_as_given():
+    """The control: valid values of the same settings build, buckets sorted and deduplicated."""
+    cfg = SpecGraphConfig(batch_buckets=[4, 1, 2, 2], enable_graph=False, passes={"fuse_greedy_accept": False})
+    assert cfg.batch_buckets == (1, 2, 4) and cfg.enable_graph is False
+    assert SpecGraphConfig(passes={}).passes == {}
+
+
 def test_error_empty_prompt(llama_pair):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         decoder(*llama_pair).generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        decoder(*llama_pair).generate([], 4)
 
 
 def test_error_too_long(llama_pair):

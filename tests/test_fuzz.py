@@ -87,7 +87,7 @@ BAD = {  # one argument made invalid per example (None: all valid)
     "seed": ["abc", 1.5, True, [1]],
     "stop_token_ids": [5, "5", [VOCAB], [-1], [True], [2.0]],
     "prompt": [[], [VOCAB], [-1], [True], [1.0], "", b"ab", None, 7],
-    "prompts": ["a string, not a list", 5],
+    "prompts": ["a string, not a list", 5, []],
 }
 
 
@@ -130,7 +130,7 @@ def expected_valid(tokenizer, prompts, kw) -> bool:
         return False
     if stops is not None and not (isinstance(stops, list) and all(_int(s) and 0 <= s < VOCAB for s in stops)):
         return False
-    if not isinstance(prompts, list):
+    if not isinstance(prompts, list) or not prompts:
         return False
     for pr in prompts:
         ids = tokenizer.encode(pr).ids if isinstance(pr, str) else pr
@@ -183,14 +183,22 @@ def test_api_argument_space(pair, tokenizer, call):
     check_result(out, prompts, kw, tokenizer, pair, eng)
 
 
+# settings that are only ever drawn with a value to refuse
+ALWAYS_BAD = {"batch_buckets": [(), (0, 2), (1.5, 2), "12", None, (True,)], "enable_graph": ["no", 1],
+              "passes": [None, {"fuse_greedy_acept": False}, {"fuse_greedy_accept": "false"}],
+              "steps_per_graph": [0, True], "verification": ["blocks"]}
+
+
 @st.composite
 def engine_configs(draw):
-    kw = dict(num_speculative_tokens=draw(st.sampled_from([1, 4, 16, "auto"])), max_batch_size=draw(st.sampled_from([1, 3])),
+    kw = dict(num_speculative_tokens=draw(st.sampled_from([1, 4, 16, "auto"])),
+              max_batch_size=draw(st.sampled_from([1, 3])),
               max_len=draw(st.sampled_from([None, 2, 24])),
               dtype=draw(st.sampled_from(["float32", "bfloat16", "auto"])),
               device=draw(st.sampled_from([None, "cpu"])))
-    bad = {"num_speculative_tokens": [0, 17, True, 2.0, "fast", None], "max_speculative_tokens": [0, 17, "8"], "max_batch_size": [0, -1, True], "max_len": [1, 0, 1.5],
-           "dtype": ["int3", 5], "device": ["cuda", "npu", "tpu", "cuda:x", ""]}
+    bad = {"num_speculative_tokens": [0, 17, True, 2.0, "fast", None], "max_speculative_tokens": [0, 17, "8"],
+           "max_batch_size": [0, -1, True], "max_len": [1, 0, 1.5],
+           "dtype": ["int3", 5], "device": ["cuda", "npu", "tpu", "cuda:x", ""], **ALWAYS_BAD}
     field = draw(st.sampled_from([None, None, None, *sorted(bad)]))
     if field is not None:
         kw[field] = draw(st.sampled_from(bad[field]))
@@ -208,7 +216,8 @@ def test_engine_config_space(pair, cfg):
         (dev == "npu" and platform._npu_available())
     mk = cfg.get("max_speculative_tokens", 8)
     valid = ((k == "auto" or _int(k) and 1 <= k <= 16) and _int(mk) and 1 <= mk <= 16 and _int(b) and b >= 1
-             and (m is None or (_int(m) and m >= 2)) and dt in ("float32", "bfloat16", "auto") and plat_ok)
+             and (m is None or (_int(m) and m >= 2)) and dt in ("float32", "bfloat16", "auto") and plat_ok
+             and not set(cfg) & set(ALWAYS_BAD))
     with time_limit(60):
         try:
             dec = SpecDecoder.from_pretrained(*pair, SpecGraphConfig(**cfg))

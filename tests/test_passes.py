@@ -445,7 +445,15 @@ def test_names_and_options():
     assert PassManager.names() == ["fuse_greedy_accept", "fuse_prepare_next"]
     with pytest.raises(ValueError, match="unknown pass"):
         PassManager(enabled={"no_such_pass": True})
+    with pytest.raises(ValueError, match="True or False"):  # "false" must not read as on
+        PassManager(enabled={"fuse_greedy_accept": "false"})
     assert list(PassManager(enabled={"fuse_greedy_accept": False}).passes) == ["fuse_prepare_next"]
+    from spec_graph.backend import BackendOptions
+
+    for bad, match in (({"passes": {"fuse_greedy_acept": False}}, "unknown pass"), ({"passes": None}, "dict"),
+                       ({"passes": {"fuse_prepare_next": 0}}, "True or False")):
+        with pytest.raises(ValueError, match=match):
+            BackendOptions.parse(bad)
 
 
 def test_uuid_stable_and_follows_enabled_set():

@@ -446,7 +446,7 @@ def test_flag_off_ignores_a_malformed_section(models, vllm_baseline, caplog, mon
 
 @pytest.mark.parametrize("disable_padded", [False, True])
 def test_draft_equals_target_full_acceptance(models, disable_padded, spec_graph_drafts_only):
-    """The issue's config: same checkpoint as target and draft, K=3, draft TP 1, seed 42, both padded settings."""
+    """The same checkpoint as target and draft, K=3, draft TP 1, seed 42, both padded settings: every draft accepted."""
     target, _ = models
     llm = _llm(target, target, flag=True,
                extra_spec={"draft_tensor_parallel_size": 1, "disable_padded_drafter_batch": disable_padded})

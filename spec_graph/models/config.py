@@ -80,7 +80,8 @@ class ModelArgs:
         kv_heads = get_int("num_key_value_heads", default=heads)
         head_dim = get_int("head_dim", default=hidden // heads)
         if heads % kv_heads:
-            raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: field 'head_dim' (or hidden_size / num_attention_heads) must be an even "
                              f"integer >= 2 for rotary embeddings, got {head_dim}")

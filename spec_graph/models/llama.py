@@ -128,7 +128,8 @@ class Attention(nn.Module):
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
 
         # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
-        qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, self.head_dim)
+        qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(B, self.n_kv, g * T, self.head_dim)
         scores = (qg @ keys.transpose(-1, -2)).view(B, self.n_kv, g, T, L) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.n_kv, g * T, L)

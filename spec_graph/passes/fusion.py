@@ -6,8 +6,8 @@ How a match becomes the op:
 * Patterns come from tracing the reference with inductor's ``fwd_only`` (and
   inductor's joint-graph normalization, so they look like the graphs the passes
   get), or with torchair's decomposition table on Ascend, and ``fx_to_pattern``.
-  Ints, lists, dtypes and devices are wildcards in this first, loose pattern (as ``register_replacement`` does), so one pattern per
-  formulation serves every K, B, L. Each candidate is then re-checked against
+  Ints, lists, dtypes and devices are wildcards in this first, loose pattern (as ``register_replacement``
+  does), so one pattern per formulation serves every K, B, L. Each candidate is then re-checked against
   a strict pattern traced at the matched shapes (every literal compared:
   K, PLACEHOLDER, clamps, dtypes), cached per shape.
 * The output append mutates ``out_buf``. Functionalized, the graph computes

@@ -407,7 +407,8 @@ def _classify_break(reason: str, segment: str) -> tuple[str, str]:
                     (".cpu(", "cpu")):
         if pat in seg:
             return op, _DETAIL[op]
-    return "graph break", first or (f"Dynamo split the function at `{seg}`" if seg else "Dynamo split the function here")
+    return "graph break", first or (f"Dynamo split the function at `{seg}`" if seg
+                                    else "Dynamo split the function here")
 
 
 def _break_finding(reason: str, user_stack) -> Finding | None:

@@ -43,6 +43,18 @@ PASSES: tuple[tuple[str, Callable], ...] = (
 )
 
 
+def check_enabled(enabled: dict) -> None:
+    """Refuse pass overrides that name no pass or are not True / False (a string such as "false" would
+    read as on)."""
+    names = [name for name, _ in PASSES]
+    unknown = sorted(set(enabled) - set(names), key=str)
+    if unknown:
+        raise ValueError(f"unknown pass name(s) {unknown} in passes; known: {names}")
+    bad = {k: v for k, v in enabled.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"passes maps each pass name to True or False, got {bad}")
+
+
 class PassManager(CustomGraphPass):
     """spec-graph's post-grad passes, in order; `enabled` = {name: bool} overrides (default on).
 
@@ -52,10 +64,8 @@ class PassManager(CustomGraphPass):
 
     def __init__(self, enabled: dict | None = None, decompositions: dict | None = None) -> None:
         enabled = dict(enabled or {})
-        unknown = sorted(set(enabled) - set(self.names()))
-        if unknown:
-            raise ValueError(f"unknown pass name(s) {unknown}; known: {self.names()}")
-        self.enabled = {name: bool(enabled.get(name, True)) for name in self.names()}
+        check_enabled(enabled)
+        self.enabled = {name: enabled.get(name, True) for name in self.names()}
         self.decompositions = decompositions
         self._passes: dict | None = None
         # None until the manager has run: inductor skips post-grad passes on an FX graph cache hit

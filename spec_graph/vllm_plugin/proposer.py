@@ -2,8 +2,8 @@
 
 ``DraftCore`` drafts with ``spec_graph.models`` and its own static KV cache
 ``[layers, max_num_seqs + 1, kv_heads, cache_length(max_model_len, K), head_dim]``
-(``config.cache_length``, as the engine's; the last slot is scratch for padding rows); it takes plain tensors, arrays and
-request ids, so it runs (and replays recorded steps) without vLLM. Requests
+(``config.cache_length``, as the engine's; the last slot is scratch for padding rows); it takes plain tensors,
+arrays and request ids, so it runs (and replays recorded steps) without vLLM. Requests
 map to cache slots by request id, so rows that vLLM reorders or removes
 between steps never mix caches. A device table holds each slot's last known
 token (vLLM's "backup" token for rows without a valid sampled token): the
@@ -498,7 +498,8 @@ class VllmAdapter:
         positions = target_positions if target_positions.dim() == 1 else target_positions[0]
         return self.core.propose(
             req_ids=list(batch.req_ids[:B]), pos0=batch.num_computed_tokens_cpu[:B], token_ids=batch.token_ids_cpu[:B],
-            target_token_ids=target_token_ids, positions=positions, query_start_loc=common_attn_metadata.query_start_loc,
+            target_token_ids=target_token_ids, positions=positions,
+            query_start_loc=common_attn_metadata.query_start_loc,
             query_start_loc_cpu=common_attn_metadata.query_start_loc_cpu, valid_count=valid, num_draft=num_draft,
             next_token_ids=next_token_ids, num_speculative_tokens=num_speculative_tokens, live=self._live())
 
