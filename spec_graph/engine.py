@@ -17,6 +17,7 @@ from . import platform
 from .adaptive import count_acceptance
 from .config import SpecGraphConfig, beyond_window_warning, check_device
 from .models import load_model, parse_dtype, read_config
+from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
 from .runtime import (WRITEBACK, DecoderBase, GenerationOutput, GenerationResult, GenerationStats,  # noqa: F401
                       load_tokenizer)
@@ -65,6 +66,18 @@ def _eos_ids(path: str, args) -> set[int]:
     return {int(i) for i in ids}
 
 
+def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:
+    """Refuse, by its settings, KV caches larger than the device's free memory (instead of the allocator's
+    error): both models' caches for the slots of the largest bucket and the cache length."""
+    rows, cache_len = config.bucket_for(config.max_batch_size), config.cache_len
+    need = sum(kv_cache_bytes(m.args, rows, cache_len, m.model.embed_tokens.weight.element_size()) for m in models)
+    have = plat.free_memory()
+    if need > have:
+        raise ValueError(f"the KV caches need {need / 2**30:.2f} GiB (max_batch_size={config.max_batch_size}, "
+                         f"max_len={config.max_len}) but {have / 2**30:.2f} GiB are free on {plat.name}: lower "
+                         "max_len (--max-len) or max_batch_size (--max-batch-size)")
+
+
 def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
     """"auto" is bfloat16 where the platform has graphs (accelerators), float32 on CPU."""
     if dtype == "auto":
@@ -93,6 +106,7 @@ class SpecDecoder(DecoderBase):
                 log.warning("spec-graph: %s", beyond_window_warning(config.max_len, self.window, scaled))
             else:
                 config = dataclasses.replace(config, max_len=self.window)
+        _check_kv_memory(config, (target, draft), plat)
         # Graphs: compiled by the spec_graph backend; captured per bucket where the platform can.
         self.compiled = config.enable_graph if config.enable_graph is not None else plat.supports_graphs
         self._fns: dict = {}

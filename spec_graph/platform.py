@@ -19,6 +19,18 @@ DEFAULT_MAX_PROGRAMS = 1024
 CPU_SMS = 132  # multiprocessors assumed off CUDA (an H100's / H200's count)
 
 
+def _host_available_memory() -> int:
+    """Bytes of host memory available to a new allocation (MemAvailable; free pages where /proc is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass(frozen=True)
 class Platform:
     name: str  # "cuda" | "npu" | "cpu"
@@ -48,9 +60,7 @@ class Platform:
     def free_memory(self) -> int:
         """Free bytes on this device (available host memory on CPU)."""
         if self._mod is None:
-            import psutil
-
-            return int(psutil.virtual_memory().available)
+            return _host_available_memory()
         free, _ = self._mod.mem_get_info(self.device)
         return int(free)
 

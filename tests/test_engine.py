@@ -242,6 +242,26 @@ def test_engine_settings_accepted_as_given():
     assert SpecGraphConfig(passes={}).passes == {}
 
 
+def test_error_kv_caches_past_free_memory(llama_pair, monkeypatch):
+    """A max_len whose KV caches cannot fit is refused by name before any allocation; the control: the same
+    engine builds when the caches fit exactly in what is free."""
+    import spec_graph.engine as engine
+    from spec_graph import platform
+
+    with pytest.raises(ValueError, match=r"KV caches need .* lower max_len \(--max-len\) or max_batch_size"):
+        decoder(*llama_pair, max_len=10**9)
+    cfg = SpecGraphConfig(num_speculative_tokens=3, max_len=64)
+    dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    need = sum(kv.numel() * kv.element_size() for pair in (dec.target_kv, dec.draft_kv) for kv in pair)
+    for free, ok in ((need, True), (need - 1, False)):
+        monkeypatch.setattr(platform.Platform, "free_memory", lambda self, free=free: free)
+        if ok:
+            engine.SpecDecoder(dec.target, dec.draft, cfg)
+        else:
+            with pytest.raises(ValueError, match="KV caches need"):
+                engine.SpecDecoder(dec.target, dec.draft, cfg)
+
+
 def test_error_empty_prompt(llama_pair):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         decoder(*llama_pair).generate([[1, 2], []], 4)

@@ -189,6 +189,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
+def kv_cache_bytes(args: ModelArgs, slots: int, cache_len: int, itemsize: int) -> int:
+    """Bytes of a model's k and v caches (Transformer.new_kv_cache) for this many slots and positions."""
+    return 2 * args.num_layers * slots * args.num_kv_heads * cache_len * args.head_dim * itemsize
+
+
 class Transformer(nn.Module):
     """``forward(tokens [B,T], positions [B,T], k_cache, v_cache, slots=None) -> float32 logits [B,T,V]``.
 
@@ -217,6 +222,7 @@ class Transformer(nn.Module):
             layer.fused = on
 
     def new_kv_cache(self, slots: int, cache_len: int, dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache), zeros of [layers, slots, kv_heads, cache_len, head_dim] (kv_cache_bytes each pair)."""
         a = self.args
         ref = self.model.embed_tokens.weight
         shape = (a.num_layers, slots, a.num_kv_heads, cache_len, a.head_dim)

@@ -42,7 +42,7 @@ from .. import platform as _platform
 from ..capture import GraphSet
 from ..config import cache_length
 from ..models import load_model, read_config
-from ..models.llama import DECODE_ATTENTION_ROWS
+from ..models.llama import DECODE_ATTENTION_ROWS, kv_cache_bytes
 from .config import parse
 from .kernels import count_valid
 
@@ -408,7 +408,7 @@ class VllmAdapter:
                 f"{args.window} or use a draft with a longer window")
         slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        need = 2 * args.num_layers * slots * args.num_kv_heads * cache_len * args.head_dim * itemsize
+        need = kv_cache_bytes(args, slots, cache_len, itemsize)
         have = available_memory(torch.device(self.device))
         if need > have:
             raise ValueError(
