@@ -137,7 +137,8 @@ def test_package_holds_weights_once_and_the_metadata(exported, llama_pair, engin
     assert meta["eos_token_ids"] == [1]
     assert meta["torch_version"] == torch.__version__ and meta["spec_graph_version"] == __version__
     for role, d in (("target", target), ("draft", draft)):
-        assert meta["models"][role]["config_sha256"] == hashlib.sha256((Path(d) / "config.json").read_bytes()).hexdigest()
+        config_sha = hashlib.sha256((Path(d) / "config.json").read_bytes()).hexdigest()
+        assert meta["models"][role]["config_sha256"] == config_sha
         assert len(meta["models"][role]["weights_sha256"]) == 64
     assert meta["models"]["target"]["weights_sha256"] != meta["models"]["draft"]["weights_sha256"]
     # one step artifact per mode serves every batch size (its batch dimension is symbolic)
@@ -201,7 +202,8 @@ _BLOCKED = """
 import json, sys
 roots = [p for p in sys.argv[3:]]
 opened = []
-sys.addaudithook(lambda ev, args: opened.append(str(args[0])) if ev == "open" and args and isinstance(args[0], str) else None)
+sys.addaudithook(lambda ev, args: opened.append(str(args[0]))
+                 if ev == "open" and args and isinstance(args[0], str) else None)
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name in ("spec_graph.models", "spec_graph.engine", "transformers") or name.startswith(

@@ -127,8 +127,9 @@ def prep_argmax(sampled, active, *state):
 
 # "op": the fused op called directly. Traced on CPU (fake tensors), a triton_op is its body,
 # i.e. the reference; the pass turns it back into the op.
-GREEDY = {"op": greedy_accept_prepare, "reference": greedy_accept_prepare_ref, "cumprod": greedy_cumprod, "where_amin": greedy_where_amin,
-          "where_min": greedy_where_min, "cumsum": greedy_cumsum, "argmax": greedy_argmax}
+GREEDY = {"op": greedy_accept_prepare, "reference": greedy_accept_prepare_ref, "cumprod": greedy_cumprod,
+          "where_amin": greedy_where_amin, "where_min": greedy_where_min, "cumsum": greedy_cumsum,
+          "argmax": greedy_argmax}
 PREPARE = {"op": prepare_next, "reference": prepare_next_ref, "cumprod": prep_cumprod, "where_amin": prep_where_amin,
            "where_min": prep_where_min, "cumsum": prep_cumsum, "argmax": prep_argmax}
 

@@ -114,8 +114,8 @@ def _drafter(llm):
 def _generate(llm, prompts=PROMPTS, max_tokens=24):
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -380,7 +380,8 @@ def test_entry_point_loads_the_plugin_in_a_fresh_process(models):
                   speculative_config={{"method": "draft_model", "model": {str(draft)!r}, "num_speculative_tokens": 2}},
                   additional_config={{"enable_spec_graph": True}})
         d = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-        out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(temperature=0, max_tokens=6),
+                           use_tqdm=False)
         print(type(d).__name__, list(out[0].outputs[0].token_ids))
     """)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
@@ -538,8 +539,9 @@ def _step(d, rows, token_ids_cpu, cu_num_draft=None, valid=None, alive=()):
     d.runner = SimpleNamespace(
         requests={rid: None for rid in [*req_ids, *alive]},
         input_batch=SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array([r[1] for r in rows]),
-                                    token_ids_cpu=np.stack([np.pad(token_ids_cpu[rid], (0, 64 - len(token_ids_cpu[rid])))
-                                                     for rid in req_ids])))
+                                    token_ids_cpu=np.stack([np.pad(token_ids_cpu[rid],
+                                                                   (0, 64 - len(token_ids_cpu[rid])))
+                                                            for rid in req_ids])))
     meta = _Meta(num_reqs=B, query_start_loc_cpu=qsl, query_start_loc=qsl.clone(),
                  slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), num_actual_tokens=int(qsl[-1]))
     if cu_num_draft is not None:

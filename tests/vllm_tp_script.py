@@ -1,7 +1,8 @@
 """Run by tests/test_vllm_plugin.py in a fresh process: target TP 2 (two CPU workers), draft TP 1, flag on.
 
 Prints one line ``RESULT {json}``: each rank's drafter summary, the drafts each rank proposed, the greedy
-tokens and the spec-decode counters (draft "none": the greedy tokens without speculation). vLLM spawns its workers, hence the ``__main__`` guard."""
+tokens and the spec-decode counters (draft "none": the greedy tokens without speculation). vLLM spawns its
+workers, hence the ``__main__`` guard."""
 import json, sys
 
 
