@@ -23,9 +23,9 @@ the residual, and a chain of plain one-row products (no norm, epilogue or split:
 lower (ONE_STEP_K_OTHER). --per-product times each of a layer's four products alone through the layers at one row,
 fused (at each ONE_STEP_K; the paired ones also on the grid's first paired tile) and as plain one-row products over
 the same weights: which product holds the fused chain above the plain one. --one-step-rows times each row count
-above ONE_STEP_ROWS again with it raised to that count: the products whose K fits ONE_STEP_K on CUDA cores in one
-step, a row at a time (the others on tensor cores), against tensor cores for all; with --per-product, each product
-alone at each such row count both ways too. CUDA only.
+above one again with ONE_STEP_ROWS raised to that count and no bound on the weights (ONE_STEP_ROWS_WEIGHTS): every
+product whose K fits ONE_STEP_K on CUDA cores in one step, a row at a time (the others on tensor cores), against
+the default; with --per-product, each product alone at each such row count both ways too. CUDA only.
 """
 from __future__ import annotations
 
@@ -240,12 +240,13 @@ def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
 
 @contextlib.contextmanager
 def one_step_rows(n: int):
-    """decode_linear's ONE_STEP_ROWS set to n inside, restored after."""
-    saved, dl.ONE_STEP_ROWS = dl.ONE_STEP_ROWS, n
+    """decode_linear's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
+    saved = dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS
+    dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS = n, float("inf")
     try:
         yield
     finally:
-        dl.ONE_STEP_ROWS = saved
+        dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS = saved
 
 
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
@@ -270,7 +271,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
     streaming and empty baselines over the same weights (ablate: also the fused chain without split-K, norm or
     residual, and a chain of plain one-row products; one_row_grid: one row under other CUDA-core tiles;
     per_product: each of a layer's products alone through the layers, fused and plain, at one row;
-    one_step_rows: each row count above ONE_STEP_ROWS also with ONE_STEP_ROWS raised to it)."""
+    one_step_rows: each row count above one also with every product whose K fits one step on CUDA cores)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
     bw = bs.copy_bandwidth()
@@ -293,7 +294,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 dl.NORM_BLOCK_K = nb
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
-                if one_step_rows and M > dl.ONE_STEP_ROWS:
+                if one_step_rows and M > dl.CUDA_CORE_ROWS:
                     with one_step_rows(M):
                         replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                     row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
@@ -330,11 +331,11 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                     print(f"| {model} {name} alone, {how} | 1 | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
                           f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
                 for M in (int(m) for m in rows.split(",")) if one_step_rows else ():
-                    if M <= dl.ONE_STEP_ROWS:
+                    if M <= dl.CUDA_CORE_ROWS:
                         continue
                     fn = product_chain(cfg, layers, i, dev, dt, sync, M)
-                    for how, n in (("default", dl.ONE_STEP_ROWS), (f"ONE_STEP_ROWS {M}", M)):
-                        with one_step_rows(n):
+                    for how, forced in (("default", False), (f"ONE_STEP_ROWS {M}", True)):
+                        with one_step_rows(M) if forced else contextlib.nullcontext():
                             replay, _ = graphed(plat, fn)
                         t = bs.median_ms(replay, 20, warmup=3) * 1e3
                         print(f"| {model} {name} alone, {how} | {M} | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "

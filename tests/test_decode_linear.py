@@ -272,10 +272,11 @@ def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):
 def test_few_rows_sum_in_one_step_when_set(monkeypatch):
     """ONE_STEP_ROWS raised to 5: five rows (one row block of 8, its 3 padding rows skipped) sum on CUDA cores in
     one step, a row at a time, each normed from its own statistics, and equal the references; K past ONE_STEP_K
-    and six rows stay on tensor cores. The default (1) keeps five rows on tensor cores."""
+    and six rows stay on tensor cores. The default keeps five rows on tensor cores."""
     _require_kernel()
     assert _dl.launch_config(5, 2048, 2048, False, 2, 132)[0]
     monkeypatch.setattr(_dl, "ONE_STEP_ROWS", 5)
+    monkeypatch.setattr(_dl, "ONE_STEP_ROWS_WEIGHTS", float("inf"))
     assert _dl.launch_config(5, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)
     assert _dl.launch_config(5, 2048, 5632, False, 2, 132)[0] and _dl.launch_config(6, 2048, 2048, False, 2, 132)[0]
     tiles = _record_launches(monkeypatch, "DOT", "BLOCK_M", "ONE_STEP")
@@ -291,6 +292,17 @@ def test_few_rows_sum_in_one_step_when_set(monkeypatch):
             decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, heads, D)]
     assert tiles == [(False, 8, True)] * 3
     assert all(_close(a, c, torch.float32) for a, c in zip(got, want))
+
+
+def test_two_rows_of_small_products_sum_on_cuda_cores_by_default():
+    """The default rule (bench_step's pair at two rows: the draft's 2-token forward on CUDA cores, the target's
+    products on tensor cores): up to ONE_STEP_ROWS rows, K within ONE_STEP_K and fewer weight elements than
+    ONE_STEP_ROWS_WEIGHTS."""
+    cfg = lambda rows, cols, k, paired=False: _dl.launch_config(rows, cols, k, paired, 2, 132)  # noqa: E731
+    for cols, k, paired in ((640, 768, True), (768, 768, False), (2048, 768, True), (768, 2048, False)):  # draft
+        assert not cfg(2, cols, k, paired)[0] and cfg(3, cols, k, paired)[0], (cols, k, paired)
+    for cols, k, paired in ((1536, 2048, True), (2048, 2048, False), (5632, 2048, True), (2048, 5632, False)):
+        assert cfg(2, cols, k, paired)[0] and not cfg(1, cols, k, paired)[0] or k > _dl.ONE_STEP_K, (cols, k)
 
 
 def test_broken_epilogues_are_caught():
@@ -419,10 +431,11 @@ def _forward(model, fused: bool, monkeypatch, tokens, positions, cache, slots=No
     (torch.bfloat16, False, 5, False, False, 2), (torch.bfloat16, True, 1, False, False, 2),
     (torch.float32, False, 3, True, False, 2), (torch.float32, True, 5, True, True, 2),
     (torch.bfloat16, False, 1, False, True, 2), (torch.float32, True, 1, True, False, 1),
-    (torch.bfloat16, False, 1, False, False, 1)])
+    (torch.bfloat16, False, 1, False, False, 1), (torch.float32, True, 1, True, False, 2)])
 def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, B, monkeypatch):
     """A verify (T=5: 10 rows) or draft forward (T=1, 3: 2 and 6 rows) of two batch rows at
-    different lengths, or a one-row forward (B=1, T=1: the CUDA-core launches):
+    different lengths, or a one-row forward (B=1, T=1: the CUDA-core launches; 2 rows of these small products
+    take them too, a row at a time):
     logits and the written cache agree with FUSED_LAYERS off; with the fused kernels
     broken (residual dropped) they do not. Slotted: the rows live in cache slots 2 and 0 of 3 (the k/v
     writes follow `slots`; slot 1 stays as it was). Split: every product split-K over 4 programs per column

@@ -35,7 +35,11 @@ from .rng import block_for, use_kernel, wrap_triton
 
 MAX_ROWS = 16  # rows (batch x positions) up to which the fused kernels run; above, cuBLAS matmuls do better
 CUDA_CORE_ROWS = 1  # up to this many rows the sums run on CUDA cores (tensor cores measured faster above)
-ONE_STEP_ROWS = 1  # ... and up to this many where all of K fits one step (ONE_STEP_K; benchmarks vary it)
+# ... and up to ONE_STEP_ROWS rows where all of K fits one step (ONE_STEP_K) and the product has fewer weight
+# elements than ONE_STEP_ROWS_WEIGHTS. At 2 rows bench_step's draft products (0.6-3.1M elements) chained in 66 us
+# against 83 on tensor cores; the target's (4.2M and up) in 728 against 660. Benchmarks vary both.
+ONE_STEP_ROWS = 2
+ONE_STEP_ROWS_WEIGHTS = 4_000_000
 VOCAB_COLS = 16384  # unpaired products this wide are vocabulary heads: tensor cores at any row count
 # (BLOCK_N, BLOCK_K at most, num_warps, num_stages) of CUDA-core launches, by whether the product is paired
 # (a paired program reads 2 x BLOCK_N weight rows)
@@ -457,7 +461,8 @@ def one_step(dot: bool, split: int, k: int, block_k: int) -> bool:
 
 def cuda_core_sums(rows: int, cols: int, paired: bool, k: int) -> bool:
     """Whether a product of this many rows, output columns and K sums on CUDA cores by default."""
-    few = rows <= CUDA_CORE_ROWS or (rows <= ONE_STEP_ROWS and k <= ONE_STEP_K)
+    small = k <= ONE_STEP_K and (2 if paired else 1) * cols * k < ONE_STEP_ROWS_WEIGHTS
+    few = rows <= CUDA_CORE_ROWS or (rows <= ONE_STEP_ROWS and small)
     return few and (paired or cols < VOCAB_COLS)
 
 
