@@ -319,6 +319,10 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
             for i, name in enumerate(PRODUCTS):
                 ms = [layer[i] for layer in layers]
                 mb = sum(m.numel() * m.element_size() for m in ms)
+
+                def product_row(how, M, t):
+                    print(f"| {model} {name} alone, {how} | {M} | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
+                          f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
                 runs = [(how, tiles, k, product_chain(cfg, layers, i, dev, dt, sync))
                         for how, tiles, k in per_product_variants()
                         if name in ("qkv", "gate_up") or tiles == dl.CUDA_CORE_TILES]
@@ -327,9 +331,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 for how, tiles, k, fn in runs:
                     with one_row_settings(tiles, dl.NORM_BLOCK_K, k):
                         replay, _ = graphed(plat, fn)
-                    t = bs.median_ms(replay, 20, warmup=3) * 1e3
-                    print(f"| {model} {name} alone, {how} | 1 | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
-                          f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
+                    product_row(how, 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
                 for M in (int(m) for m in rows.split(",")) if one_step_rows else ():
                     if M <= dl.CUDA_CORE_ROWS:
                         continue
@@ -337,9 +339,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                     for how, forced in (("default", False), (f"ONE_STEP_ROWS {M}", True)):
                         with one_step_rows(M) if forced else contextlib.nullcontext():
                             replay, _ = graphed(plat, fn)
-                        t = bs.median_ms(replay, 20, warmup=3) * 1e3
-                        print(f"| {model} {name} alone, {how} | {M} | {len(ms)} | {t:.1f} | {mb / 1e6:.0f} | "
-                              f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
+                        product_row(how, M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))

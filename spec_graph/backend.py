@@ -51,9 +51,7 @@ class BackendOptions:
         opts = cls(**options)
         if opts.on_passes is not None and not callable(opts.on_passes):
             raise ValueError(f"options['on_passes'] must be callable, got {opts.on_passes!r}")
-        if not isinstance(opts.passes, dict):
-            raise ValueError(f"options['passes'] must be a dict {{pass name: True or False}}, got {opts.passes!r}")
-        check_enabled(opts.passes)
+        check_enabled(opts.passes, "options['passes']")
         return opts
 
 

@@ -43,16 +43,18 @@ PASSES: tuple[tuple[str, Callable], ...] = (
 )
 
 
-def check_enabled(enabled: dict) -> None:
-    """Refuse pass overrides that name no pass or are not True / False (a string such as "false" would
-    read as on)."""
+def check_enabled(enabled: dict, what: str = "passes") -> None:
+    """Refuse pass overrides (`what`, as the caller names them) that are not a dict, name no pass or are not
+    True / False (a string such as "false" would read as on)."""
+    if not isinstance(enabled, dict):
+        raise ValueError(f"{what} must be a dict {{pass name: True or False}}, got {enabled!r}")
     names = [name for name, _ in PASSES]
     unknown = sorted(set(enabled) - set(names), key=str)
     if unknown:
-        raise ValueError(f"unknown pass name(s) {unknown} in passes; known: {names}")
+        raise ValueError(f"unknown pass name(s) {unknown} in {what}; known: {names}")
     bad = {k: v for k, v in enabled.items() if not isinstance(v, bool)}
     if bad:
-        raise ValueError(f"passes maps each pass name to True or False, got {bad}")
+        raise ValueError(f"{what} maps each pass name to True or False, got {bad}")
 
 
 class PassManager(CustomGraphPass):
