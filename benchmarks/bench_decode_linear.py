@@ -239,7 +239,7 @@ def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
 
 
 @contextlib.contextmanager
-def one_step_rows(n: int):
+def rows_on_cuda_cores(n: int):
     """decode_linear's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
     saved = dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS
     dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS = n, float("inf")
@@ -295,7 +295,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
                 if one_step_rows and M > dl.CUDA_CORE_ROWS:
-                    with one_step_rows(M):
+                    with rows_on_cuda_cores(M):
                         replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                     row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
@@ -337,7 +337,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                         continue
                     fn = product_chain(cfg, layers, i, dev, dt, sync, M)
                     for how, forced in (("default", False), (f"ONE_STEP_ROWS {M}", True)):
-                        with one_step_rows(M) if forced else contextlib.nullcontext():
+                        with rows_on_cuda_cores(M) if forced else contextlib.nullcontext():
                             replay, _ = graphed(plat, fn)
                         product_row(how, M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         timed_runs = []

@@ -305,6 +305,23 @@ def test_two_rows_of_small_products_sum_on_cuda_cores_by_default():
         assert cfg(2, cols, k, paired)[0] and not cfg(1, cols, k, paired)[0] or k > _dl.ONE_STEP_K, (cols, k)
 
 
+def test_split_tiles_by_kind():
+    """Tensor-core launches at 2-9 rows split K on each kind's SPLIT_TILES: a 1B target's qkv on (64, 128), 8
+    warps, 4 programs of 4 K tiles; its o_proj (K = N) on (32, 128) split 4; down_proj (K >= 2N) on (32, 64). The
+    draft's qkv is too short for 4 tiles of 128 per program and takes the next tiles; its o_proj stays unsplit.
+    No multiprocessor count, no split."""
+    cfg = lambda rows, cols, k, paired=False, sms=132: _dl.launch_config(rows, cols, k, paired, 2, sms,  # noqa: E731
+                                                                         rope=paired and cols < 2 * k)
+    for rows in (2, 5, 9):
+        assert cfg(rows, 1536, 2048, True) == (True, 64, 128, 8, 3, 4)
+        assert cfg(rows, 2048, 2048) == (True, 32, 128, 4, 4, 4)
+        assert cfg(rows, 2048, 5632) == (True, 32, 64, 4, 4, 8)
+        assert cfg(rows, 1536, 2048, True, sms=0)[-1] == 1
+        if rows > _dl.ONE_STEP_ROWS:  # the draft's 2 rows sum on CUDA cores
+            assert cfg(rows, 640, 768, True) == (True, 32, 64, 4, 3, 4) and cfg(rows, 768, 768)[::5] == (True, 1)
+    assert cfg(1, 1536, 2048, True) == (False, 2, 2048, 8, 2, 1)  # one row: CUDA cores, unsplit
+
+
 def test_broken_epilogues_are_caught():
     """The comparisons can fail: each reference with one part of its math changed differs from the kernel."""
     _require_kernel()

@@ -472,6 +472,29 @@ def test_uuid_stable_and_follows_enabled_set():
     assert other.stdout.strip() == a.uuid()
 
 
+def test_uuid_follows_the_kernels_launch_settings(monkeypatch):
+    """Inductor's caches key a custom op's Triton kernels by their source alone, while the op picks tiles and
+    splits in Python at trace time: the uuid changes with each launch setting (in the module or set at run
+    time), and returns when the setting does. The control: without the kernels' key the uuid misses the
+    change, and a compile would be served the launches of the one before."""
+    from spec_graph.kernels import attention, decode_linear
+    from spec_graph.passes import manager
+
+    base = PassManager().uuid()
+    changes = ((decode_linear, "ONE_STEP_ROWS", 1), (decode_linear, "SPLIT_TILES", {}),
+               (decode_linear, "LAUNCH", {"BLOCK_N": 4}), (attention, "MIN_SPLIT_KEYS", 7))
+    for module, name, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(module, name, value)
+            assert PassManager().uuid() != base, name
+        assert PassManager().uuid() == base, name
+        with monkeypatch.context() as m:
+            m.setattr(manager, "launch_key", lambda: "")
+            blind = PassManager().uuid()
+            m.setattr(module, name, value)
+            assert PassManager().uuid() == blind, name  # the control: blind to the change
+
+
 def test_pass_manager_pickles():
     import pickle
 

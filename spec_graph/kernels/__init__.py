@@ -4,6 +4,11 @@ The ops (`torch.ops.spec_graph.*`) run the Triton kernel where
 `platform.use_triton(device)` says so and the reference otherwise; both are
 visible to torch.compile and torch.export.
 """
+import hashlib
+import importlib
+import pkgutil
+from pathlib import Path
+
 from .attention import decode_attention, decode_attention_ref
 from .block_verify import block_verify, block_verify_ref
 from .greedy_accept import PLACEHOLDER, greedy_accept_prepare, greedy_accept_prepare_ref
@@ -22,8 +27,30 @@ from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sam
 # cat's row stride). tests/test_step_lowering.py checks every kernel input of these graphs.
 INDUCTOR_CONFIGS = {"triton_kernel_default_layout_constraint": "flexible_layout", "comprehensive_padding": False}
 
+
+_PLAIN = (bool, int, float, str, tuple, list, dict, type(None))
+
+
+def launch_key() -> str:
+    """Digest of what the ops decide in Python when a graph is traced: every kernel module's source and the
+    current values of its upper-case settings (tiles, row limits, LAUNCH overrides). The compiled graph bakes
+    those decisions into its kernel launches, but inductor's caches key a custom op's Triton kernels by their
+    source alone, so a changed launch rule (or a setting changed at run time) would be served the launches
+    compiled before it. PassManager.uuid() holds this key."""
+    h = hashlib.sha256()
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        h.update(info.name.encode() + Path(module.__file__).read_bytes())
+        for key in sorted(k for k in vars(module) if k.isupper()):
+            value = vars(module)[key]
+            if isinstance(value, _PLAIN):
+                h.update(f"|{key}={value!r}".encode())
+    return h.hexdigest()
+
+
 __all__ = [
     "INDUCTOR_CONFIGS",
+    "launch_key",
     "ACCEPT_COL",
     "block_verify",
     "block_verify_ref",

@@ -50,7 +50,12 @@ FP32_BLOCK_K = 64  # fp32's K tile on tensor cores: at most about 50 KB of share
 MAX_SPLIT_K = 8  # programs that share one column block's sums (split-K)
 SPLIT_MIN_TILES = 2  # K tiles each of them reads, at least
 SPLIT_PROGRAMS_PER_SM = 4  # split grids up to this many programs per multiprocessor (small tiles: one wave)
-SPLIT_TILES = (32, 64)  # (BLOCK_N, BLOCK_K) of split launches
+# (BLOCK_N, BLOCK_K, num_warps, num_stages (0: the product's own), K tiles per program at least) of split launches
+# by kind, tried in order: the first that splits K is taken. At 2 / 5 / 9 rows through the 1B target's 16 layers
+# (H200, us): qkv 139 / 136 / 143 on (64, 128, 8 warps, 3 stages, split 4) against 154 / 155 / 171 on (32, 64,
+# split 8); o_proj on (32, 128, split 4) 101 / 102 / 103 against 109 / 112 / 112 unsplit.
+SPLIT_TILES = {"qkv": ((64, 128, 8, 3, 4), (32, 64, 0, 0, SPLIT_MIN_TILES)), "square": ((32, 128, 0, 0, 4),),
+               "long": ((32, 64, 0, 0, SPLIT_MIN_TILES),)}
 NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares, rounded up to a power of two and at most K's
 # (0: the product's BLOCK_K; benchmarks vary it)
 ONE_STEP_K = 2048  # CUDA-core products with K up to this read all of K in one step (_one_step_sums; 0: never;
@@ -426,29 +431,33 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
     (bench_decode_linear.py --sweep). fp32 (itemsize 4) on tensor cores takes smaller K tiles and 2 stages: its
     exact (no TF32) sums with the 2-byte tiles need up to 260 KB of shared memory for sm90, more than any GPU
     has.
-    Split-K (sms: the device's multiprocessors; 0: never) where the sweep found it faster: the qkv products
-    (rope) and products whose sums are long for their outputs (k >= 2 cols: down_proj), on small tiles
-    (SPLIT_TILES). o_proj, gate_up and the vocabulary heads measured slower or no faster split."""
+    Split-K (sms: the device's multiprocessors; 0: never) where sweeps found it faster, on SPLIT_TILES: the qkv
+    products (rope), and unpaired products whose sums are at least as long as their outputs (o_proj: k = cols,
+    down_proj: k >= 2 cols). gate_up and the vocabulary heads measured slower or no faster split."""
     dot, block_n, block_k, warps, stages = _launch_config(rows, cols, k, paired)
     split = 1
     if "SPLIT_K" in LAUNCH:
         split = LAUNCH["SPLIT_K"]
-    elif dot and sms and (rope or (not paired and k >= 2 * cols)):
-        split = split_k(triton.cdiv(cols, SPLIT_TILES[0]), k, SPLIT_TILES[1], sms)
-        if split > 1:
-            block_n, block_k = SPLIT_TILES
+    elif dot and sms and (rope or (not paired and k >= cols)):
+        for tile_n, tile_k, tile_warps, tile_stages, tiles in SPLIT_TILES["qkv" if rope else "long" if k >= 2 * cols
+                                                                         else "square"]:
+            split = split_k(triton.cdiv(cols, tile_n), k, tile_k, sms, tiles)
+            if split > 1:
+                block_n, block_k = tile_n, tile_k
+                warps, stages = tile_warps or warps, tile_stages or stages
+                break
     if itemsize >= 4 and dot:
         block_k, stages = min(block_k, FP32_BLOCK_K), min(stages, 2)
     return dot, block_n, block_k, warps, stages, split
 
 
-def split_k(blocks: int, k: int, block_k: int, sms: int) -> int:
+def split_k(blocks: int, k: int, block_k: int, sms: int, min_tiles: int = SPLIT_MIN_TILES) -> int:
     """Programs per column block: the most (a power of two, at most MAX_SPLIT_K) that keep the grid within
-    SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with SPLIT_MIN_TILES K tiles or more to read.
+    SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with min_tiles K tiles or more to read.
     (_launch rounds each program's K range up to whole tiles, which can leave fewer programs.)"""
     split = 1
     while (split < MAX_SPLIT_K and blocks * split * 2 <= SPLIT_PROGRAMS_PER_SM * sms
-           and k >= 2 * split * SPLIT_MIN_TILES * block_k):
+           and k >= 2 * split * min_tiles * block_k):
         split *= 2
     return split
 

@@ -7,9 +7,10 @@ torchair as its custom pass): runs spec-graph's FX passes in order.
     pm(graph); pm.last_counts                       # {pass name: replacements} of the last run (None: none yet)
     pm.last_fired                                   # {pass name: [formulation matched, ...]}
 
-``uuid()`` combines the enabled passes' uuids (each a hash of its source), so
-inductor's FX graph cache stays on and is invalidated when a pass, its
-reference formulation or the enabled set changes.
+``uuid()`` combines the enabled passes' uuids (each a hash of its source) and the
+kernels' launch settings (``kernels.launch_key``), so inductor's caches stay on and
+are invalidated when a pass, its reference formulation, the enabled set or a
+kernel's launch rule changes.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Callable
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..kernels import launch_key
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class PassManager(CustomGraphPass):
         h = hashlib.sha256(b"spec_graph.PassManager:" + torch.__version__.encode())
         for name, p in self.passes.items():
             h.update(f"|{name}:{p.uuid()}".encode())
+        h.update(f"|kernels:{launch_key()}".encode())
         return h.hexdigest()
 
     def __getstate__(self):
