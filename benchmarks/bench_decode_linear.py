@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
 from bench_attention import graphed  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
-from spec_graph.kernels import decode_linear as dl  # noqa: E402
+from spec_graph.kernels import decode_linear as dl, linear_launch as ll  # noqa: E402
 from spec_graph.kernels._triton import tl, triton  # noqa: E402
 from spec_graph.kernels.counters import new_sync  # noqa: E402
 
@@ -218,35 +218,35 @@ def stream_chain(mats: list, dev, programs: int, block: int, warps: int, empty: 
 def one_row_variants() -> list[tuple[str, dict, int, int]]:
     """(label, CUDA_CORE_TILES, NORM_BLOCK_K, ONE_STEP_K) of --one-row-grid: the default, then one change at a
     time, each with ONE_STEP_K as set and as each of ONE_STEP_K_OTHER."""
-    base = dict(dl.CUDA_CORE_TILES)
+    base = dict(ll.CUDA_CORE_TILES)
     out = [("default", base, 0)]
     out += [(f"unpaired {t}", {**base, False: t}, 0) for t in ONE_ROW_UNPAIRED]
     out += [(f"paired {t}", {**base, True: t}, 0) for t in ONE_ROW_PAIRED]
     out += [(f"NORM_BLOCK_K {nb}", base, nb) for nb in ONE_ROW_NORM_BLOCKS]
-    return [(f"one-row {label}{'' if k == dl.ONE_STEP_K else f', ONE_STEP_K {k}'}", tiles, nb, k)
-            for label, tiles, nb in out for k in (dl.ONE_STEP_K, *ONE_STEP_K_OTHER)]
+    return [(f"one-row {label}{'' if k == ll.ONE_STEP_K else f', ONE_STEP_K {k}'}", tiles, nb, k)
+            for label, tiles, nb in out for k in (ll.ONE_STEP_K, *ONE_STEP_K_OTHER)]
 
 
 @contextlib.contextmanager
 def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
     """decode_linear's one-row settings set inside, restored after."""
-    saved = dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K
-    dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K = tiles, norm_block, one_step_k
+    saved = ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K
+    ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K = tiles, norm_block, one_step_k
     try:
         yield
     finally:
-        dl.CUDA_CORE_TILES, dl.NORM_BLOCK_K, dl.ONE_STEP_K = saved
+        ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K = saved
 
 
 @contextlib.contextmanager
 def rows_on_cuda_cores(n: int):
-    """decode_linear's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
-    saved = dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS
-    dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS = n, float("inf")
+    """linear_launch's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
+    saved = ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS
+    ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS = n, float("inf")
     try:
         yield
     finally:
-        dl.ONE_STEP_ROWS, dl.ONE_STEP_ROWS_WEIGHTS = saved
+        ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS = saved
 
 
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
@@ -260,9 +260,9 @@ def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
 def per_product_variants() -> list[tuple[str, dict, int]]:
     """(label, CUDA_CORE_TILES, ONE_STEP_K) of --per-product's fused products: the default, then each of
     ONE_STEP_K_OTHER, then the grid's first paired tile."""
-    base = dict(dl.CUDA_CORE_TILES)
-    return ([("fused", base, dl.ONE_STEP_K)] + [(f"fused, ONE_STEP_K {k}", base, k) for k in ONE_STEP_K_OTHER]
-            + [(f"fused, paired {ONE_ROW_PAIRED[0]}", {**base, True: ONE_ROW_PAIRED[0]}, dl.ONE_STEP_K)])
+    base = dict(ll.CUDA_CORE_TILES)
+    return ([("fused", base, ll.ONE_STEP_K)] + [(f"fused, ONE_STEP_K {k}", base, k) for k in ONE_STEP_K_OTHER]
+            + [(f"fused, paired {ONE_ROW_PAIRED[0]}", {**base, True: ONE_ROW_PAIRED[0]}, ll.ONE_STEP_K)])
 
 
 def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one_row_grid: bool = False,
@@ -288,18 +288,18 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
         def row(label, M, t):
             print(f"| {model}{label} | {M} | {n} | {t:.1f} | {nbytes / 1e6:.0f} | {floor:.1f} | "
                   f"{(t - floor) / n:.2f} |", flush=True)
-        saved = dl.NORM_BLOCK_K
+        saved = ll.NORM_BLOCK_K
         try:
             for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
-                dl.NORM_BLOCK_K = nb
+                ll.NORM_BLOCK_K = nb
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                 row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
-                if one_step_rows and M > dl.CUDA_CORE_ROWS:
+                if one_step_rows and M > ll.CUDA_CORE_ROWS:
                     with rows_on_cuda_cores(M):
                         replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
                     row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
-            dl.NORM_BLOCK_K = saved
+            ll.NORM_BLOCK_K = saved
         if one_row_grid:
             run_one_row_grid(plat, cfg, layers, sync, row)
         if ablate:
@@ -325,15 +325,15 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                           f"{mb / bw * 1e6:.1f} | {(t - mb / bw * 1e6) / len(ms):.2f} |", flush=True)
                 runs = [(how, tiles, k, product_chain(cfg, layers, i, dev, dt, sync))
                         for how, tiles, k in per_product_variants()
-                        if name in ("qkv", "gate_up") or tiles == dl.CUDA_CORE_TILES]
-                runs.append(("plain (2, 1024, 4)", dl.CUDA_CORE_TILES, dl.ONE_STEP_K,
+                        if name in ("qkv", "gate_up") or tiles == ll.CUDA_CORE_TILES]
+                runs.append(("plain (2, 1024, 4)", ll.CUDA_CORE_TILES, ll.ONE_STEP_K,
                              gemv_chain(ms, dev, dt, 2, 1024, 4)))
                 for how, tiles, k, fn in runs:
-                    with one_row_settings(tiles, dl.NORM_BLOCK_K, k):
+                    with one_row_settings(tiles, ll.NORM_BLOCK_K, k):
                         replay, _ = graphed(plat, fn)
                     product_row(how, 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
                 for M in (int(m) for m in rows.split(",")) if one_step_rows else ():
-                    if M <= dl.CUDA_CORE_ROWS:
+                    if M <= ll.CUDA_CORE_ROWS:
                         continue
                     fn = product_chain(cfg, layers, i, dev, dt, sync, M)
                     for how, forced in (("default", False), (f"ONE_STEP_ROWS {M}", True)):
@@ -389,14 +389,14 @@ def main() -> None:
                 t_c = timed(plat, cublas)
                 t_f = timed(plat, fused)
                 paired = name in ("qkv", "gate_up")
-                default = dl.launch_config(M, N // 2 if paired else N, K, paired, 2, sms, rope=name == "qkv")
+                default = ll.launch_config(M, N // 2 if paired else N, K, paired, 2, sms, rope=name == "qkv")
                 best, t_best = default, t_f
                 if a.sweep and str(M) in a.sweep_rows.split(","):
                     grid = (GRID_CUDA_CORES if not default[0] else
                             [(True, n, k, *default[3:5], s) for n, k, s in GRID_DOT])
                     tried = []
                     for conf in grid:
-                        dl.LAUNCH.update(DOT=conf[0], BLOCK_N=conf[1], BLOCK_K=conf[2], num_warps=conf[3],
+                        ll.LAUNCH.update(DOT=conf[0], BLOCK_N=conf[1], BLOCK_K=conf[2], num_warps=conf[3],
                                          num_stages=conf[4], SPLIT_K=conf[5])
                         try:
                             t = timed(plat, fused, iters=10)
@@ -404,7 +404,7 @@ def main() -> None:
                             print(f"<!-- {name} M={M} {conf}: {type(e).__name__} -->")
                             t = float("inf")
                         finally:
-                            dl.LAUNCH.clear()
+                            ll.LAUNCH.clear()
                         tried.append((t, conf))
                         if t < t_best:
                             best, t_best = conf, t

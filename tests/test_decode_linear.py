@@ -27,6 +27,7 @@ from helpers import (interpreter_while_testing, require_kernel, run_compiled_scr
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _dl = importlib.import_module("spec_graph.kernels.decode_linear")
+_ll = importlib.import_module("spec_graph.kernels.linear_launch")
 from spec_graph.kernels.decode_linear import (  # noqa: E402
     decode_gate_up, decode_gate_up_ref, decode_linear, decode_linear_ref, decode_qkv_rope, decode_qkv_rope_ref,
     rope_ref)
@@ -55,13 +56,13 @@ def _interpreter_on_while_testing():
 def launch(dot, block_n, block_k, split=1):
     """The kernels' launch configuration set (tensor-core or CUDA-core sums, tile sizes, programs per column
     block), restored afterwards."""
-    saved = dict(_dl.LAUNCH)
-    _dl.LAUNCH.update(DOT=dot, BLOCK_N=block_n if dot else block_n // 4, BLOCK_K=block_k, SPLIT_K=split)
+    saved = dict(_ll.LAUNCH)
+    _ll.LAUNCH.update(DOT=dot, BLOCK_N=block_n if dot else block_n // 4, BLOCK_K=block_k, SPLIT_K=split)
     try:
         yield
     finally:
-        _dl.LAUNCH.clear()
-        _dl.LAUNCH.update(saved)
+        _ll.LAUNCH.clear()
+        _ll.LAUNCH.update(saved)
 
 
 def _require_kernel():
@@ -209,7 +210,7 @@ def test_norm_sums_any_block(norm_block, monkeypatch):
     rounds down to one masked step of 128) equals the reference, and the launch hands the kernel that step. The
     control: with eps taken as 1.0 instead the outputs differ (the norm's statistics reach the output)."""
     _require_kernel()
-    monkeypatch.setattr(_dl, "NORM_BLOCK_K", norm_block)
+    monkeypatch.setattr(_ll, "NORM_BLOCK_K", norm_block)
     steps = _record_launches(monkeypatch, "NORM_BLOCK")
     g = torch.Generator().manual_seed(5)
     x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
@@ -230,13 +231,13 @@ def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):
     and a vocabulary head (not a gate_up as wide) take tensor cores. The control: the last of x's columns
     changed, the output changes (the masked tile is read)."""
     _require_kernel()
-    assert _dl.launch_config(1, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)  # one step, 8 warps
-    assert _dl.launch_config(1, 2048, 5632, False, 2, 132) == (False, 2, 1024, 4, 2, 1)
-    assert _dl.launch_config(1, 1536, 2048, True, 4, 132, rope=True)[:3] == (False, 2, 2048)  # fp32 too
-    assert _dl.launch_config(2, 2048, 2048, False, 2, 132)[0]
-    assert _dl.launch_config(1, _dl.VOCAB_COLS, 2048, False)[0] and not _dl.launch_config(1, _dl.VOCAB_COLS - 1,
+    assert _ll.launch_config(1, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)  # one step, 8 warps
+    assert _ll.launch_config(1, 2048, 5632, False, 2, 132) == (False, 2, 1024, 4, 2, 1)
+    assert _ll.launch_config(1, 1536, 2048, True, 4, 132, rope=True)[:3] == (False, 2, 2048)  # fp32 too
+    assert _ll.launch_config(2, 2048, 2048, False, 2, 132)[0]
+    assert _ll.launch_config(1, _ll.VOCAB_COLS, 2048, False)[0] and not _ll.launch_config(1, _ll.VOCAB_COLS - 1,
                                                                                           2048, False)[0]
-    assert not _dl.launch_config(1, _dl.VOCAB_COLS, 2048, True)[0]
+    assert not _ll.launch_config(1, _ll.VOCAB_COLS, 2048, True)[0]
     tiles = _record_launches(monkeypatch, "DOT", "BLOCK_N", "BLOCK_K", "SPLIT_K", "ONE_STEP")
     g = torch.Generator().manual_seed(5)
     D, Hq, Hkv, Lc = 16, 4, 1, 12
@@ -253,7 +254,7 @@ def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):
     qkv = decode_qkv_rope_ref(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D)
     want = [decode_linear_ref(x, w, b, residual=r), decode_gate_up_ref(x, w, b, nw, 1e-6), qkv,
             qkv[..., :Hq * D].contiguous()]
-    one_step = K <= _dl.ONE_STEP_K
+    one_step = K <= _ll.ONE_STEP_K
     assert tiles == [(False, 2, 2048 if one_step else 1024, 1, one_step)] * 4 and not sync.any()
 
     def close(a, c):  # bf16: within a rounding of the largest output (a product rounded the other way moves)
@@ -274,11 +275,11 @@ def test_few_rows_sum_in_one_step_when_set(monkeypatch):
     one step, a row at a time, each normed from its own statistics, and equal the references; K past ONE_STEP_K
     and six rows stay on tensor cores. The default keeps five rows on tensor cores."""
     _require_kernel()
-    assert _dl.launch_config(5, 2048, 2048, False, 2, 132)[0]
-    monkeypatch.setattr(_dl, "ONE_STEP_ROWS", 5)
-    monkeypatch.setattr(_dl, "ONE_STEP_ROWS_WEIGHTS", float("inf"))
-    assert _dl.launch_config(5, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)
-    assert _dl.launch_config(5, 2048, 5632, False, 2, 132)[0] and _dl.launch_config(6, 2048, 2048, False, 2, 132)[0]
+    assert _ll.launch_config(5, 2048, 2048, False, 2, 132)[0]
+    monkeypatch.setattr(_ll, "ONE_STEP_ROWS", 5)
+    monkeypatch.setattr(_ll, "ONE_STEP_ROWS_WEIGHTS", float("inf"))
+    assert _ll.launch_config(5, 2048, 2048, False, 2, 132) == (False, 2, 2048, 8, 2, 1)
+    assert _ll.launch_config(5, 2048, 5632, False, 2, 132)[0] and _ll.launch_config(6, 2048, 2048, False, 2, 132)[0]
     tiles = _record_launches(monkeypatch, "DOT", "BLOCK_M", "ONE_STEP")
     g = torch.Generator().manual_seed(7)
     K, D, heads = 300, 16, 3
@@ -298,11 +299,11 @@ def test_two_rows_of_small_products_sum_on_cuda_cores_by_default():
     """The default rule (bench_step's pair at two rows: the draft's 2-token forward on CUDA cores, the target's
     products on tensor cores): up to ONE_STEP_ROWS rows, K within ONE_STEP_K and fewer weight elements than
     ONE_STEP_ROWS_WEIGHTS."""
-    cfg = lambda rows, cols, k, paired=False: _dl.launch_config(rows, cols, k, paired, 2, 132)  # noqa: E731
+    cfg = lambda rows, cols, k, paired=False: _ll.launch_config(rows, cols, k, paired, 2, 132)  # noqa: E731
     for cols, k, paired in ((640, 768, True), (768, 768, False), (2048, 768, True), (768, 2048, False)):  # draft
         assert not cfg(2, cols, k, paired)[0] and cfg(3, cols, k, paired)[0], (cols, k, paired)
     for cols, k, paired in ((1536, 2048, True), (2048, 2048, False), (5632, 2048, True), (2048, 5632, False)):
-        assert cfg(2, cols, k, paired)[0] and not cfg(1, cols, k, paired)[0] or k > _dl.ONE_STEP_K, (cols, k)
+        assert cfg(2, cols, k, paired)[0] and not cfg(1, cols, k, paired)[0] or k > _ll.ONE_STEP_K, (cols, k)
 
 
 def test_split_tiles_by_kind():
@@ -310,14 +311,14 @@ def test_split_tiles_by_kind():
     warps, 4 programs of 4 K tiles; its o_proj (K = N) on (32, 128) split 4; down_proj (K >= 2N) on (32, 64). The
     draft's qkv is too short for 4 tiles of 128 per program and takes the next tiles; its o_proj stays unsplit.
     No multiprocessor count, no split."""
-    cfg = lambda rows, cols, k, paired=False, sms=132: _dl.launch_config(rows, cols, k, paired, 2, sms,  # noqa: E731
+    cfg = lambda rows, cols, k, paired=False, sms=132: _ll.launch_config(rows, cols, k, paired, 2, sms,  # noqa: E731
                                                                          rope=paired and cols < 2 * k)
     for rows in (2, 5, 9):
         assert cfg(rows, 1536, 2048, True) == (True, 64, 128, 8, 3, 4)
         assert cfg(rows, 2048, 2048) == (True, 32, 128, 4, 4, 4)
         assert cfg(rows, 2048, 5632) == (True, 32, 64, 4, 4, 8)
         assert cfg(rows, 1536, 2048, True, sms=0)[-1] == 1
-        if rows > _dl.ONE_STEP_ROWS:  # the draft's 2 rows sum on CUDA cores
+        if rows > _ll.ONE_STEP_ROWS:  # the draft's 2 rows sum on CUDA cores
             assert cfg(rows, 640, 768, True) == (True, 32, 64, 4, 3, 4) and cfg(rows, 768, 768)[::5] == (True, 1)
     assert cfg(1, 1536, 2048, True) == (False, 2, 2048, 8, 2, 1)  # one row: CUDA cores, unsplit
 
@@ -461,7 +462,7 @@ def test_fused_layers_equal_module_path(dtype, bias, T, slotted, split, B, monke
     _require_kernel()
     model = _layer_model(dtype, bias=bias)
     if split:
-        monkeypatch.setattr(_dl, "LAUNCH", dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4))
+        monkeypatch.setattr(_ll, "LAUNCH", dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4))
         monkeypatch.setattr(importlib.import_module("spec_graph.kernels.attention"), "MIN_SPLIT_KEYS", 8)
     Lc = 48
     g = torch.Generator().manual_seed(1)
@@ -536,7 +537,7 @@ import json, sys
 import torch
 sys.path.insert(0, "tests")
 import test_decode_linear as t
-from spec_graph.kernels import attention, decode_linear as dl
+from spec_graph.kernels import attention, decode_linear as dl, linear_launch as ll
 from spec_graph.models import llama
 
 T, naive = int(sys.argv[1]), sys.argv[2] == "naive"
@@ -607,7 +608,7 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from spec_graph.kernels import decode_linear as dl
+from spec_graph.kernels import decode_linear as dl, linear_launch as ll
 
 itemsize = int(sys.argv[1])
 sms = 132 if itemsize == 4 else 0  # the control (2-byte tiles) unsplit: split launches take smaller tiles
@@ -615,13 +616,13 @@ fn = dl._decode_linear_kernel
 out, splits = {}, []
 shapes = ((dl.ROPE, 3072, 4096), (dl.SILU_MUL, 14336, 4096), (dl.PLAIN, 4096, 14336))
 for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
-    dot, bn, bk, warps, stages, split = dl.launch_config(rows, cols, K, mode != dl.PLAIN, itemsize, sms,
+    dot, bn, bk, warps, stages, split = ll.launch_config(rows, cols, K, mode != dl.PLAIN, itemsize, sms,
                                                          rope=mode == dl.ROPE)
     splits.append(split)
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
                  BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk,
-                 ONE_STEP=dl.one_step(dot, split, K, bk))
+                 ONE_STEP=ll.one_step(dot, split, K, bk))
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     # tensors fp32 but for the 2-byte one-row launches (the 4-row control: the 2-byte tiles on fp32 data)
     ptr = "*bf16" if rows == 1 and itemsize == 2 else "*fp32"

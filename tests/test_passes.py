@@ -477,12 +477,12 @@ def test_uuid_follows_the_kernels_launch_settings(monkeypatch):
     splits in Python at trace time: the uuid changes with each launch setting (in the module or set at run
     time), and returns when the setting does. The control: without the kernels' key the uuid misses the
     change, and a compile would be served the launches of the one before."""
-    from spec_graph.kernels import attention, decode_linear
+    from spec_graph.kernels import attention, linear_launch
     from spec_graph.passes import manager
 
     base = PassManager().uuid()
-    changes = ((decode_linear, "ONE_STEP_ROWS", 1), (decode_linear, "SPLIT_TILES", {}),
-               (decode_linear, "LAUNCH", {"BLOCK_N": 4}), (attention, "MIN_SPLIT_KEYS", 7))
+    changes = ((linear_launch, "ONE_STEP_ROWS", 1), (linear_launch, "SPLIT_TILES", {}),
+               (linear_launch, "LAUNCH", {"BLOCK_N": 4}), (attention, "MIN_SPLIT_KEYS", 7))
     for module, name, value in changes:
         with monkeypatch.context() as m:
             m.setattr(module, name, value)

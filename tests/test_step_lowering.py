@@ -36,7 +36,7 @@ class StandInDriver:  # enough of a CUDA driver for inductor to lower triton ker
 triton.runtime.driver.set_active(StandInDriver())
 import spec_graph.kernels as kernels
 from spec_graph import SpecDecoder, SpecGraphConfig, platform
-from spec_graph.kernels import attention, counters, decode_linear
+from spec_graph.kernels import attention, counters, decode_linear, linear_launch
 from helpers import build_tokenizer, make_checkpoint, perturbed_copy
 
 for mod in (decode_linear, attention):
@@ -51,7 +51,7 @@ if variant == "permuted q":  # the control of the stride check: q reaches the at
     attend = llama.decode_attention
     llama.decode_attention = lambda q, *a: attend((q.transpose(1, 2) * 1).transpose(1, 2), *a)
 if variant.startswith("split"):  # every product split-K over two programs per column block, attention's keys split
-    decode_linear.LAUNCH.update(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
+    linear_launch.LAUNCH.update(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
     attention.MIN_SPLIT_KEYS = 8
 if variant == "split, computed counters":  # the control of the counters check: a computed (not buffer) sync
     from spec_graph.models import llama
