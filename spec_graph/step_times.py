@@ -16,6 +16,10 @@ from .adaptive import KChooser
 # each K's step is timed at a short and at this live length (or max_len / 2 if shorter), and interpolated
 TIME_LENGTH = 1024
 HOST_REPLAYS = 8  # replays per timing of the host's work per replay
+# Seconds of timed runs per measurement past the first run: long steps (eager on a CPU, where attention covers
+# the whole cache) are timed fewer times; their noise is small against their length. Without it "auto" at
+# max_len 32768 on a CPU spent 70 s timing before its first token.
+TIMING_BUDGET_S = 0.25
 
 
 class StepTimes:
@@ -45,13 +49,15 @@ class StepTimes:
                     at = []
                     for L in lengths:
                         times = []
-                        for _ in range(repeats + 1):  # the first warms (uncaptured: it may compile)
+                        for i in range(repeats + 1):  # the first warms (uncaptured: it may compile)
                             self._as_if_live(snap, L)
                             plat.synchronize()
                             t0 = time.perf_counter()
                             run()
                             plat.synchronize()
                             times.append(time.perf_counter() - t0)
+                            if i and sum(times[1:]) >= TIMING_BUDGET_S:
+                                break
                         at.append(min(times[1:]) / N)
                     per = max(at[-1] - at[0], 0.0) / (hi - lo)
                     self.step_times[key] = (at[0] - per * lo, per)
@@ -65,7 +71,8 @@ class StepTimes:
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
-        each followed by the loop's device read and a choice, against the same replays followed by a sync."""
+        each followed by the loop's device read and a choice, against the same replays followed by a sync
+        (HOST_REPLAYS of them, or as many as fit TIMING_BUDGET_S, once, for long replays)."""
         plat = self.platform
         run = self._timed_run((greedy, b, self.k_choices[0]))
         chooser = KChooser(self.k_choices)
@@ -80,15 +87,18 @@ class StepTimes:
             plat.synchronize()
 
         best = {}
-        for _ in range(repeats):
+        replay_s = self._times_for(greedy, b, length)[self.k_choices[0]] * self.config.steps_per_graph
+        fits = replay_s * HOST_REPLAYS <= TIMING_BUDGET_S
+        replays = HOST_REPLAYS if fits else max(1, int(TIMING_BUDGET_S / max(replay_s, 1e-9)))
+        for _ in range(repeats if fits else 1):
             for name, fn in (("read", with_read), ("sync", with_sync)):
                 self._as_if_live(snap, length)
                 plat.synchronize()
                 t0 = time.perf_counter()
-                for _ in range(HOST_REPLAYS):
+                for _ in range(replays):
                     fn()
                 plat.synchronize()
-                t = (time.perf_counter() - t0) / HOST_REPLAYS
+                t = (time.perf_counter() - t0) / replays
                 best[name] = min(best.get(name, t), t)
         return max(best["read"] - best["sync"], 0.0)
 

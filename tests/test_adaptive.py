@@ -296,6 +296,30 @@ def test_auto_measures_step_times_once(llama_pair):
     assert dec.step_times == {} and dec.host_times == {}  # measured again with the next graphs
 
 
+@pytest.mark.parametrize("budget,runs_per_key", [(float("inf"), 4), (0.0, 2)])
+def test_long_steps_are_timed_fewer_times(llama_pair, monkeypatch, budget, runs_per_key):
+    """Timing stops repeating a (bucket, K) step once its timed runs pass TIMING_BUDGET_S (eager steps over a
+    long cache last long, and their noise is small against that): a warm-up and one timed run per key, and one
+    replay per host timing; with no bound (the control) each key gets a warm-up and 3 timed runs."""
+    import spec_graph.step_times as step_times_mod
+
+    monkeypatch.setattr(step_times_mod, "TIMING_BUDGET_S", budget)
+    dec = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(num_speculative_tokens="auto",
+                                                                   max_speculative_tokens=2, max_len=64,
+                                                                   max_batch_size=1))
+    runs = {}
+    real = dec._timed_run
+
+    def counted(key):
+        run = real(key)
+        return lambda: (runs.__setitem__(key, runs.get(key, 0) + 1), run())[1]
+    monkeypatch.setattr(dec, "_timed_run", counted)
+    out = dec.generate(PROMPTS[:1], 6)
+    assert out[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 6)
+    host_runs = 2 * (step_times_mod.HOST_REPLAYS * 3 if budget == float("inf") else 1)  # read + sync
+    assert runs == {(True, 1, 1): runs_per_key + host_runs, (True, 1, 2): runs_per_key}, runs
+
+
 def test_host_time_moves_the_choice(llama_pair):
     """A host cost per replay favours more drafts per replay: with these step times and the estimate the engine
     starts from (0.6 per position), K=1 is best without it and K=4 with 10 s of host work per replay."""
