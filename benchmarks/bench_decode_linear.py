@@ -367,7 +367,10 @@ def main() -> None:
                     help="--chain: also each of a layer's products alone through the layers, fused and plain")
     ap.add_argument("--one-step-rows", action="store_true",
                     help="--chain: also each row count with the products whose K fits one step on CUDA cores")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a spec_graph.kernels setting for this run, e.g. linear_launch.SPLIT_MIN_TILES=4 (repeatable)")
     a = ap.parse_args()
+    bs.apply_settings(a.set)
     if (a.norm_blocks != "0" or a.ablate or a.one_row_grid or a.per_product or a.one_step_rows) and not a.chain:
         ap.error("--norm-blocks, --ablate, --one-row-grid, --per-product and --one-step-rows go with --chain")
     plat = sg_platform.current()

@@ -31,8 +31,10 @@ times (c) alone at contexts 512 / 4k / 16k / 32k for each max_len where they fit
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
+import importlib
 import os
 import statistics
 import sys
@@ -438,6 +440,27 @@ def context_table(tdir, ddir, Bs, max_lens, iters: int, bw: float) -> list[str]:
     return L
 
 
+def apply_settings(pairs: list[str]) -> None:
+    """--set MODULE.NAME=VALUE: a setting of a spec_graph.kernels module (VALUE a Python literal), set before
+    anything compiles. The compile caches' key holds these settings (kernels.launch_key), so runs of one machine
+    that set them differently each compile their own step."""
+    for pair in pairs:
+        target, eq, value = pair.partition("=")
+        module, _, name = target.rpartition(".")
+        if not eq or not module or not name:
+            sys.exit(f"--set takes MODULE.NAME=VALUE (e.g. linear_launch.ONE_STEP_ROWS=1), got {pair!r}")
+        try:
+            mod = importlib.import_module(f"spec_graph.kernels.{module}")
+        except ModuleNotFoundError:
+            sys.exit(f"--set {pair!r}: spec_graph.kernels has no module {module!r}")
+        if not name.isupper() or not hasattr(mod, name):
+            sys.exit(f"--set {pair!r}: spec_graph.kernels.{module} has no setting {name!r}")
+        try:
+            setattr(mod, name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            sys.exit(f"--set {pair!r}: {value!r} is not a Python literal")
+
+
 def main():
     global MAX_LEN, CACHE_LEN, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -456,7 +479,10 @@ def main():
     ap.add_argument("--layer-variants", default="",
                     help=f"also time (c) at every batch size with the fused decode linear layers in these models "
                          f"only: {','.join(LAYER_VARIANTS)}")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a spec_graph.kernels setting for this run, e.g. linear_launch.ONE_STEP_ROWS=1 (repeatable)")
     a = ap.parse_args()
+    apply_settings(a.set)
     for opt, known in (("inductor_variants", INDUCTOR_VARIANTS), ("layer_variants", LAYER_VARIANTS)):
         unknown = {v for v in getattr(a, opt).split(",") if v} - set(known)
         if unknown:
