@@ -450,7 +450,8 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, SPLIT_K=split, NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
+        num_stages=stages, SPLIT_K=split,
+        NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
         ONE_STEP=launch.one_step(dot, split, K, block_k))
     return out.view(*x.shape[:-1], out.shape[-1])
 

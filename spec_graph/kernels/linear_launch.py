@@ -36,6 +36,7 @@ ONE_STEP_K = 2048  # CUDA-core products with K up to this read all of K in one s
 # `launch_config`.
 LAUNCH: dict = {}
 
+
 def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2, sms: int = 0,
                   rope: bool = False) -> tuple[bool, int, int, int, int, int]:
     """(DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) from static shapes, measured on an H200 for 2-byte
