@@ -22,6 +22,11 @@ def cache_length(max_len: int, num_speculative_tokens: int) -> int:
     return -(-need // CACHE_ALIGN) * CACHE_ALIGN
 
 
+def max_len_within(positions: int, num_speculative_tokens: int) -> int:
+    """The largest max_len whose cache_length is at most `positions` (0 where none is)."""
+    return max(positions // CACHE_ALIGN * CACHE_ALIGN - num_speculative_tokens - 2, 0)
+
+
 @dataclass
 class SpecGraphConfig:
     """Engine settings.

