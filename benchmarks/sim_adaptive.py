@@ -2,7 +2,7 @@
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
         [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
-        [--device cpu] [--prior-shrinks 0.9:4] [--seeds 0,1,2]
+        [--device cpu] [--prior-shrinks 0.9:4] [--seeds 0,1,2] [--variants all|engine] [--skip-fixed] [--oracle]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
 ((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy (or sampled at --temperature
@@ -46,16 +46,23 @@ def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
     return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
 
 
+PRIOR_SETTINGS = ("PRIOR_SHRINK", "PRIOR_WEIGHT", "PRIOR_MISS_SCALE", "EXPLORE_MARGIN")
+
+
 @contextlib.contextmanager
-def prior_as(shrink: float, weight: float):
-    """The chooser's prior for each position: the rate of the one before it times `shrink` (1: as the engine has
-    it), weighing `weight` row-steps against the observations."""
-    saved = adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT
-    adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT = shrink, weight
+def prior_as(*values: float):
+    """The chooser's prior for each position: the rate of the one before it times PRIOR_SHRINK, its miss rate
+    times PRIOR_MISS_SCALE, weighing PRIOR_WEIGHT row-steps against the observations; and the margin within which
+    it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN): `values` in PRIOR_SETTINGS' order,
+    the others as the engine has them."""
+    saved = {name: getattr(adaptive, name) for name in PRIOR_SETTINGS}
+    for name, value in zip(PRIOR_SETTINGS, values):
+        setattr(adaptive, name, value)
     try:
         yield
     finally:
-        adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT = saved
+        for name, value in saved.items():
+            setattr(adaptive, name, value)
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
@@ -158,8 +165,15 @@ def main() -> None:
                     help="sampling seeds: each cell sums every seed's tokens and priced time (sampled runs vary by "
                          "several percent from one seed to the next)")
     ap.add_argument("--prior-shrinks", default="",
-                    help="also the engine's chooser (+h) with other priors per position, as shrink:weight pairs "
-                         "(0.9:4: the rate of the position before x 0.9, weighing 4 row-steps)")
+                    help="also the engine's chooser (+h) with other priors per position, as "
+                         "shrink:weight[:miss[:explore]] (0.9:4: the rate of the position before x 0.9, weighing 4 "
+                         "row-steps; 1:1:1.5: its miss rate x 1.5; 0.9:1:1:0.03: a larger K within 3%% tried where "
+                         "unseen; sim_adaptive.PRIOR_SETTINGS)")
+    ap.add_argument("--variants", choices=("all", "engine"), default="all",
+                    help="chooser variants per decay: all (with and without the host time, blind to rows' work "
+                         "left or not) or the engine's alone (+h, by row)")
+    ap.add_argument("--skip-fixed", action="store_true",
+                    help="run the chooser variants alone (the fixed-K runs of these settings repeat, under one seed)")
     ap.add_argument("--oracle", action="store_true",
                     help="also the best K per step chosen knowing each step's acceptance (greedy, batch size 1)")
     a = ap.parse_args()
@@ -172,24 +186,24 @@ def main() -> None:
     rows = {}
     gen = lambda dec, w: [dec.generate(wl[w], a.max_new_tokens, temperature=a.temperature, seed=seed).stats  # noqa
                           for seed in seeds]
-    for k in ks:
+    for k in ks if not a.skip_fixed else ():
         dec = engine(k, B, max(ks), a.device)
         rows[f"K={k}"] = [priced(gen(dec, w), times, a.overhead, k) for w in ba.WORKLOADS]
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
     decays = [float(x) for x in a.decays.split(",") if x]
     variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
-                 h, adaptive.PRIOR_SHRINK, adaptive.PRIOR_WEIGHT, by_row)
-                for d in decays for h in (False, True) for by_row in (True, False)]
+                 h, (), by_row)
+                for d in decays for h in (False, True) for by_row in (True, False)
+                if a.variants == "all" or h and by_row]
     for item in (x for x in a.prior_shrinks.split(",") if x):
-        shrink, weight = (float(v) for v in item.split(":"))
-        variants += [(f"auto decay {d} +h, prior x{shrink} weight {weight:g}", d, True, shrink, weight, True)
-                     for d in decays]
+        prior = tuple(float(v) for v in item.split(":"))
+        label = ", ".join(f"{name} {v:g}" for name, v in zip(PRIOR_SETTINGS, prior))
+        variants += [(f"auto decay {d} +h, {label}", d, True, prior, True) for d in decays]
     if variants:
         dec = engine(ba.AUTO, B, max(ks), a.device)
         dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
-    for name, decay, with_h, shrink, weight, by_row in variants:
-        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), \
-                prior_as(shrink, weight):
+    for name, decay, with_h, prior, by_row in variants:
+        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior):
             out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[name] = [priced(s, times, a.overhead) for s in out]
         mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]
@@ -199,6 +213,10 @@ def main() -> None:
         if a.temperature or B != 1:
             ap.error("--oracle prices greedy runs at batch size 1")
         rows.update(run_oracle(wl, ks, times, a.overhead, a.max_new_tokens, a.device))
+    if a.skip_fixed:  # no fixed K to compare with: the chooser's figures alone
+        for n, r in rows.items():
+            print(f"| {n} | {' / '.join(f'{x:.3f}' for x in r)} |")
+        return
     best = {w: max((r[i], n) for n, r in rows.items() if n.startswith("K=")) for i, w in enumerate(ba.WORKLOADS)}
     print(f"\ntemperature {a.temperature}")
     print("| variant | simulated tok/ms (i) / (ii) / (iii) | vs best fixed K (i) / (ii) | vs K=4 (iii) |")

@@ -19,7 +19,8 @@ not yet admitted and ``E_r`` from row r's own rates. While requests wait the
 first term rules (every committed token is throughput: argmax E(K) / t(K));
 once the queue is empty the slowest row does, and drafts that only finish
 the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
-(the smaller K on a tie). Counts come from the device in the one read the
+(the smaller K on a tie), or once in a while a larger K priced within
+EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts come from the device in the one read the
 engine makes per replay anyway, so choosing costs no host sync. Nothing
 here is random: under a seed (and a fixed time table) the choices, and so
 the tokens, repeat.
@@ -34,15 +35,25 @@ import torch
 # on the H200 at B=1 and B=8, with the host's time per replay in the step times.)
 DECAY = 0.85
 # Before anything is seen, position 1 is assumed accepted this often; a position seen little (K stayed below it)
-# leans on the rate of the one before it, so the estimate of deep positions follows the first.
+# leans on the rate of the one before it times PRIOR_SHRINK (deep drafts fare worse than shallow ones on real
+# text), with its miss rate times PRIOR_MISS_SCALE. 0.9 held the simulated B=8 chooser within 3% of the best
+# fixed K where 1.0 over-reached (0.955 / 0.950 on held-out code / random bytes, greedy), with EXPLORE_MARGIN
+# for where deep drafts do as well (sim_adaptive.py, RESULTS.md 2026-12-02).
 PRIOR_RATE = 0.6
 PRIOR_WEIGHT = 1.0  # in row-steps: what one observation weighs against the prior
-PRIOR_SHRINK = 1.0  # each position's prior: the rate of the one before it times this
+PRIOR_SHRINK = 0.9
+PRIOR_MISS_SCALE = 1.0  # 1.5 puts 0.97 after 0.98, 0.7 after 0.8 (tried: no better than 1)
 
 # A row's own estimate: its past per row-step of its own weighs ROW_DECAY (a request's text changes slowly), and
 # the rates over all rows stand in for ROW_PRIOR_WEIGHT row-steps of it (a new row starts as the batch's average).
 ROW_DECAY = 0.95
 ROW_PRIOR_WEIGHT = 8.0
+
+# A larger K whose priced cost is within EXPLORE_MARGIN of the best, and whose first position above the best K
+# has fewer than EXPLORE_SEEN (decayed) row-steps, is taken once: the prior of an unseen deep position is a
+# guess, and only a step that reaches it can correct it (0: never explore).
+EXPLORE_MARGIN = 0.02
+EXPLORE_SEEN = 0.25
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -124,7 +135,8 @@ class KChooser:
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE
         for r, a in zip(self.reached, self.accepted):
-            prev = (a + PRIOR_WEIGHT * PRIOR_SHRINK * prev) / (r + PRIOR_WEIGHT)
+            prior = max(1.0 - (1.0 - PRIOR_SHRINK * prev) * PRIOR_MISS_SCALE, 0.0)
+            prev = (a + PRIOR_WEIGHT * prior) / (r + PRIOR_WEIGHT)
             out.append(prev)
         return out
 
@@ -147,12 +159,13 @@ class KChooser:
                      for k in self.choices}
         else:
             steps = {k: 1.0 / pooled[k] for k in self.choices}
+        costs = {k: steps[k] * times[k] for k in self.choices if times.get(k) is not None and times[k] > 0}
         best, best_cost = self.choices[0], float("inf")
-        for k in self.choices:
-            t = times.get(k)
-            if t is None or t <= 0:
-                continue
-            cost = steps[k] * t
+        for k, cost in costs.items():
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = k, cost
+        if best < self.kmax and self.reached[best] < EXPLORE_SEEN:
+            wider = [k for k in costs if k > best and costs[k] <= best_cost * (1 + EXPLORE_MARGIN)]
+            if wider:
+                return min(wider)
         return best

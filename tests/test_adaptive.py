@@ -93,6 +93,24 @@ def test_chooser_follows_acceptance_and_time(cls, right):
     assert (picks == [8, 1]) == right, picks
 
 
+@pytest.mark.parametrize("margin, deepest", [(adaptive_mod.EXPLORE_MARGIN, 8), (0.0, 6)])
+def test_chooser_tries_a_deep_position_it_has_not_seen(monkeypatch, margin, deepest):
+    """A position K stayed below leans on the one before it times PRIOR_SHRINK (< 1: deep drafts fare worse than
+    shallow ones on real text), so on flat 0.97 acceptance K=8 looks no better than K=6 until a step reaches
+    positions 7 and 8. A larger K priced within EXPLORE_MARGIN of the best is tried once where its first deep
+    position is unseen; seen at 0.97, K=8 stays. The control: with no margin the chooser stays at K=6."""
+    assert adaptive_mod.PRIOR_SHRINK < 1 and adaptive_mod.EXPLORE_MARGIN > 0
+    monkeypatch.setattr(adaptive_mod, "EXPLORE_MARGIN", margin)
+    times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
+    c = KChooser((1, 2, 3, 4, 6, 8))
+    k, ks = 1, []
+    for _ in range(12):
+        _feed(c, [0.97], k, 64)
+        k = c.choose(times)
+        ks.append(k)
+    assert max(ks) == deepest and ks[-3:] == [deepest] * 3, ks
+
+
 def test_chooser_moves_within_a_few_replays_and_deep_positions_follow_the_first():
     c = KChooser((1, 2, 3, 4, 6, 8))
     times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
