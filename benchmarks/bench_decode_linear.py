@@ -229,7 +229,7 @@ def one_row_variants() -> list[tuple[str, dict, int, int]]:
 
 @contextlib.contextmanager
 def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
-    """decode_linear's one-row settings set inside, restored after."""
+    """linear_launch's one-row settings set inside, restored after."""
     saved = ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K
     ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K = tiles, norm_block, one_step_k
     try:

@@ -197,6 +197,8 @@ def main() -> None:
                 if a.variants == "all" or h and by_row]
     for item in (x for x in a.prior_shrinks.split(",") if x):
         prior = tuple(float(v) for v in item.split(":"))
+        if len(prior) > len(PRIOR_SETTINGS):
+            ap.error(f"--prior-shrinks {item!r}: at most {len(PRIOR_SETTINGS)} values, {':'.join(PRIOR_SETTINGS)}")
         label = ", ".join(f"{name} {v:g}" for name, v in zip(PRIOR_SETTINGS, prior))
         variants += [(f"auto decay {d} +h, {label}", d, True, prior, True) for d in decays]
     if variants:

@@ -50,8 +50,9 @@ ROW_DECAY = 0.95
 ROW_PRIOR_WEIGHT = 8.0
 
 # A larger K whose priced cost is within EXPLORE_MARGIN of the best, and whose first position above the best K
-# has fewer than EXPLORE_SEEN (decayed) row-steps, is taken once: the prior of an unseen deep position is a
-# guess, and only a step that reaches it can correct it (0: never explore).
+# has faded below EXPLORE_SEEN (decayed) row-steps, is taken for one replay: the prior of an unseen deep position
+# is a guess, and only a step that reaches it can correct it. While the larger K stays within the margin this
+# recurs as the position fades again (about every 9 replays of one row; at most 2% dearer each). 0: never.
 EXPLORE_MARGIN = 0.02
 EXPLORE_SEEN = 0.25
 

@@ -76,10 +76,15 @@ def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:
         per_position = need // (rows * cache_len)  # bytes of one row's position in both caches
         fit_len = max_len_within(have // (per_position * rows), config.max_k)
         fit_rows = have // (per_position * cache_len)
+        # the caches hold the bucket of max_batch_size: the largest that fits is a bucket, or a size above them all
+        fit_batch = fit_rows if fit_rows > config.batch_buckets[-1] else max(
+            (b for b in config.batch_buckets if b <= fit_rows), default=0)
+        len_hint = f"at most {fit_len} fits" if fit_len >= 2 else "none fits"
+        batch_hint = f"at most {fit_batch} fits" if fit_batch >= 1 else "none fits"
         raise ValueError(f"the KV caches need {need / 2**30:.2f} GiB (max_batch_size={config.max_batch_size}, "
                          f"max_len={config.max_len}) but {have / 2**30:.2f} GiB are free on {plat.name}: lower "
-                         f"max_len (--max-len; {fit_len} fits {rows} rows) or max_batch_size (--max-batch-size; "
-                         f"{fit_rows} rows of max_len={config.max_len} fit)")
+                         f"max_len (--max-len; {len_hint} with max_batch_size={config.max_batch_size}) or "
+                         f"max_batch_size (--max-batch-size; {batch_hint} with max_len={config.max_len})")
 
 
 def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:

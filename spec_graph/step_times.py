@@ -22,6 +22,12 @@ HOST_REPLAYS = 8  # replays per timing of the host's work per replay
 TIMING_BUDGET_S = 0.25
 
 
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 class StepTimes:
     """``step_times`` {(greedy, bucket, K): (base_s, per_position_s) or seconds} and ``host_times``
     {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
@@ -71,34 +77,40 @@ class StepTimes:
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
-        each followed by the loop's device read and a choice, against the same replays followed by a sync
-        (HOST_REPLAYS of them, or as many as fit TIMING_BUDGET_S, once, for long replays)."""
+        each followed by the loop's device read and a choice, against the same replays followed by a sync. Where
+        HOST_REPLAYS replays would pass TIMING_BUDGET_S (eager steps over a long cache), the read and the choice
+        alone, after a sync: the replays' own jitter would be larger than the difference."""
         plat = self.platform
         run = self._timed_run((greedy, b, self.k_choices[0]))
         chooser = KChooser(self.k_choices)
 
-        def with_read():
-            run()
+        def read_and_choose():
             chooser.observe(self._read_after_replay(b)[2 * b:])
             chooser.choose(self._times_for(greedy, b, length), {r: length for r in range(b)})  # every row busy
+
+        def with_read():
+            run()
+            read_and_choose()
 
         def with_sync():
             run()
             plat.synchronize()
 
-        best = {}
         replay_s = self._times_for(greedy, b, length)[self.k_choices[0]] * self.config.steps_per_graph
-        fits = replay_s * HOST_REPLAYS <= TIMING_BUDGET_S
-        replays = HOST_REPLAYS if fits else max(1, int(TIMING_BUDGET_S / max(replay_s, 1e-9)))
-        for _ in range(repeats if fits else 1):
+        if replay_s * HOST_REPLAYS > TIMING_BUDGET_S:  # long replays: their jitter would swamp the host's work
+            self._as_if_live(snap, length)
+            plat.synchronize()
+            return min(_seconds(read_and_choose) for _ in range(HOST_REPLAYS))
+        best = {}
+        for _ in range(repeats):
             for name, fn in (("read", with_read), ("sync", with_sync)):
                 self._as_if_live(snap, length)
                 plat.synchronize()
                 t0 = time.perf_counter()
-                for _ in range(replays):
+                for _ in range(HOST_REPLAYS):
                     fn()
                 plat.synchronize()
-                t = (time.perf_counter() - t0) / replays
+                t = (time.perf_counter() - t0) / HOST_REPLAYS
                 best[name] = min(best.get(name, t), t)
         return max(best["read"] - best["sync"], 0.0)
 

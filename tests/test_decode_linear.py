@@ -537,7 +537,7 @@ import json, sys
 import torch
 sys.path.insert(0, "tests")
 import test_decode_linear as t
-from spec_graph.kernels import attention, decode_linear as dl, linear_launch as ll
+from spec_graph.kernels import attention, decode_linear as dl
 from spec_graph.models import llama
 
 T, naive = int(sys.argv[1]), sys.argv[2] == "naive"

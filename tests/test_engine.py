@@ -250,8 +250,8 @@ def test_error_kv_caches_past_free_memory(llama_pair, monkeypatch):
     import spec_graph.engine as engine
     from spec_graph import platform
 
-    with pytest.raises(ValueError, match=r"KV caches need .* lower max_len \(--max-len; \d+ fits 8 rows\) or "
-                                         r"max_batch_size"):
+    with pytest.raises(ValueError, match=r"KV caches need .* lower max_len \(--max-len; at most \d+ fits with "
+                                         r"max_batch_size=8\) or max_batch_size"):
         decoder(*llama_pair, max_len=10**9)
     cfg = SpecGraphConfig(num_speculative_tokens=3, max_len=64)
     dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
@@ -263,18 +263,23 @@ def test_error_kv_caches_past_free_memory(llama_pair, monkeypatch):
         else:
             with pytest.raises(ValueError, match="KV caches need") as err:
                 engine.SpecDecoder(dec.target, dec.draft, cfg)
-    # the settings the message names fit, and one step past them does not
-    fit_len, rows, fit_rows = map(int, re.search(r"--max-len; (\d+) fits (\d+) rows\) or max_batch_size "
-                                                 r"\(--max-batch-size; (\d+) rows", str(err.value)).groups())
-    assert rows == cfg.max_batch_size and 0 < fit_len < cfg.max_len and fit_rows == cfg.max_batch_size - 1
+    # the settings the message names fit, and one step past them does not (max_batch_size 8 holds 8 rows; 7 fit,
+    # but 7 and 5 round up to the bucket of 8: the largest that fits is the bucket of 4)
+    fit_len, fit_batch = map(int, re.search(r"--max-len; at most (\d+) fits with max_batch_size=8\) or "
+                                            r"max_batch_size \(--max-batch-size; at most (\d+) fits",
+                                            str(err.value)).groups())
+    assert 2 <= fit_len < cfg.max_len and fit_batch == 4 == cfg.batch_buckets[2]
     for changes, ok in (({"max_len": fit_len}, True), ({"max_len": fit_len + 1}, False),
-                        ({"max_batch_size": fit_rows, "batch_buckets": (1, fit_rows)}, True)):
+                        ({"max_batch_size": fit_batch}, True), ({"max_batch_size": fit_batch + 1}, False)):
         small = dataclasses.replace(cfg, **changes)
         if ok:
             engine.SpecDecoder(dec.target, dec.draft, small)
         else:
             with pytest.raises(ValueError, match="KV caches need"):
                 engine.SpecDecoder(dec.target, dec.draft, small)
+    monkeypatch.setattr(platform.Platform, "free_memory", lambda self: 1)
+    with pytest.raises(ValueError, match=r"--max-len; none fits .*--max-batch-size; none fits"):
+        engine.SpecDecoder(dec.target, dec.draft, cfg)
 
 
 def test_error_empty_prompt(llama_pair):

@@ -52,11 +52,11 @@ def launch_config(rows: int, cols: int, k: int, paired: bool, itemsize: int = 2,
     down_proj: k >= 2 cols). gate_up and the vocabulary heads measured slower or no faster split."""
     dot, block_n, block_k, warps, stages = _launch_config(rows, cols, k, paired)
     split = 1
-    if "SPLIT_K" in LAUNCH:
-        split = LAUNCH["SPLIT_K"]
+    if LAUNCH:  # overrides: split only as they say
+        split = LAUNCH.get("SPLIT_K", 1)
     elif dot and sms and (rope or (not paired and k >= cols)):
-        for tile_n, tile_k, tile_warps, tile_stages, tiles in SPLIT_TILES["qkv" if rope else "long" if k >= 2 * cols
-                                                                         else "square"]:
+        kind = "qkv" if rope else "long" if k >= 2 * cols else "square"
+        for tile_n, tile_k, tile_warps, tile_stages, tiles in SPLIT_TILES.get(kind, ()):
             split = split_k(triton.cdiv(cols, tile_n), k, tile_k, sms, tiles)
             if split > 1:
                 block_n, block_k = tile_n, tile_k

@@ -414,11 +414,13 @@ class VllmAdapter:
             per_position = need // (slots * cache_len)  # bytes of one slot's position
             fit_len = max_len_within(have // (per_position * slots), K)
             fit_seqs = max(have // (per_position * cache_len) - 1, 0)  # one slot more than max_num_seqs
+            seqs_hint = f"at most {fit_seqs} fit" if fit_seqs >= 1 else "none fits"
+            len_hint = f"at most {fit_len} fits" if fit_len >= 2 else "none fits"
             raise ValueError(
                 f"spec-graph: the draft KV cache needs {need / 2**20:.1f} MiB (max_num_seqs={self.max_slots}, "
                 f"max_model_len={self.max_model_len}, K={K}) but only {have / 2**20:.1f} MiB are free on "
-                f"{self.device}; lower max_num_seqs (at most {fit_seqs} fit at this max_model_len) or "
-                f"max_model_len (at most {fit_len} fits {self.max_slots} sequences)")
+                f"{self.device}; lower max_num_seqs ({seqs_hint} at this max_model_len) or "
+                f"max_model_len ({len_hint} {self.max_slots} sequences)")
         model = load_model(path, dtype=self.dtype, device=self.device)
         # Compile the chain where vLLM compiles its models (not under enforce_eager); graphs capture it anyway.
         compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
