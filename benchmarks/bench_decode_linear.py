@@ -227,26 +227,14 @@ def one_row_variants() -> list[tuple[str, dict, int, int]]:
             for label, tiles, nb in out for k in (ll.ONE_STEP_K, *ONE_STEP_K_OTHER)]
 
 
-@contextlib.contextmanager
 def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
     """linear_launch's one-row settings set inside, restored after."""
-    saved = ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K
-    ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K = tiles, norm_block, one_step_k
-    try:
-        yield
-    finally:
-        ll.CUDA_CORE_TILES, ll.NORM_BLOCK_K, ll.ONE_STEP_K = saved
+    return bs.settings_as(ll, CUDA_CORE_TILES=tiles, NORM_BLOCK_K=norm_block, ONE_STEP_K=one_step_k)
 
 
-@contextlib.contextmanager
 def rows_on_cuda_cores(n: int):
     """linear_launch's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
-    saved = ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS
-    ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS = n, float("inf")
-    try:
-        yield
-    finally:
-        ll.ONE_STEP_ROWS, ll.ONE_STEP_ROWS_WEIGHTS = saved
+    return bs.settings_as(ll, ONE_STEP_ROWS=n, ONE_STEP_ROWS_WEIGHTS=float("inf"))
 
 
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:

@@ -440,6 +440,19 @@ def context_table(tdir, ddir, Bs, max_lens, iters: int, bw: float) -> list[str]:
     return L
 
 
+@contextlib.contextmanager
+def settings_as(module, **values):
+    """`module`'s settings (its upper-case globals) set to `values` inside, restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def apply_settings(pairs: list[str]) -> None:
     """--set MODULE.NAME=VALUE: a setting of a spec_graph.kernels module (VALUE a Python literal), set before
     anything compiles. The compile caches' key holds these settings (kernels.launch_key), so runs of one machine

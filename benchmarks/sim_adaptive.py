@@ -24,7 +24,6 @@ outcome alone, fitted to the same runs (a bound on choosers that remember one st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_adaptive as ba  # noqa: E402
 import torch  # noqa: E402
+from bench_step import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 
@@ -49,20 +49,12 @@ def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
 PRIOR_SETTINGS = ("PRIOR_SHRINK", "PRIOR_WEIGHT", "PRIOR_MISS_SCALE", "EXPLORE_MARGIN")
 
 
-@contextlib.contextmanager
 def prior_as(*values: float):
     """The chooser's prior for each position: the rate of the one before it times PRIOR_SHRINK, its miss rate
     times PRIOR_MISS_SCALE, weighing PRIOR_WEIGHT row-steps against the observations; and the margin within which
     it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN): `values` in PRIOR_SETTINGS' order,
     the others as the engine has them."""
-    saved = {name: getattr(adaptive, name) for name in PRIOR_SETTINGS}
-    for name, value in zip(PRIOR_SETTINGS, values):
-        setattr(adaptive, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(adaptive, name, value)
+    return settings_as(adaptive, **dict(zip(PRIOR_SETTINGS, values)))
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
