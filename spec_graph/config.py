@@ -22,9 +22,13 @@ def cache_length(max_len: int, num_speculative_tokens: int) -> int:
     return -(-need // CACHE_ALIGN) * CACHE_ALIGN
 
 
-def max_len_within(positions: int, num_speculative_tokens: int) -> int:
-    """The largest max_len whose cache_length is at most `positions` (0 where none is)."""
-    return max(positions // CACHE_ALIGN * CACHE_ALIGN - num_speculative_tokens - 2, 0)
+def kv_fit(need: int, have: int, slots: int, cache_len: int, num_speculative_tokens: int) -> tuple[int, int]:
+    """For KV caches of `need` bytes over `slots` x `cache_len` positions, with `have` bytes free: the largest
+    max_len whose caches fit these slots (0 where none does), and the most slots that fit at this cache_len."""
+    per_position = need // (slots * cache_len)  # bytes of one slot's position in every cache
+    positions = have // (per_position * slots)
+    return (max(positions // CACHE_ALIGN * CACHE_ALIGN - num_speculative_tokens - 2, 0),
+            have // (per_position * cache_len))
 
 
 @dataclass

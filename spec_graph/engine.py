@@ -15,7 +15,7 @@ import torch
 
 from . import platform
 from .adaptive import count_acceptance
-from .config import SpecGraphConfig, beyond_window_warning, check_device, max_len_within
+from .config import SpecGraphConfig, beyond_window_warning, check_device, kv_fit
 from .models import load_model, parse_dtype, read_config
 from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
@@ -73,9 +73,7 @@ def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:
     need = sum(kv_cache_bytes(m.args, rows, cache_len, m.model.embed_tokens.weight.element_size()) for m in models)
     have = plat.free_memory()
     if need > have:
-        per_position = need // (rows * cache_len)  # bytes of one row's position in both caches
-        fit_len = max_len_within(have // (per_position * rows), config.max_k)
-        fit_rows = have // (per_position * cache_len)
+        fit_len, fit_rows = kv_fit(need, have, rows, cache_len, config.max_k)
         # the caches hold the bucket of max_batch_size: the largest that fits is a bucket, or a size above them all
         fit_batch = fit_rows if fit_rows > config.batch_buckets[-1] else max(
             (b for b in config.batch_buckets if b <= fit_rows), default=0)

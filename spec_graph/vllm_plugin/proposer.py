@@ -40,7 +40,7 @@ import torch
 
 from .. import platform as _platform
 from ..capture import GraphSet
-from ..config import cache_length, max_len_within
+from ..config import cache_length, kv_fit
 from ..models import load_model, read_config
 from ..models.llama import DECODE_ATTENTION_ROWS, kv_cache_bytes
 from .config import parse
@@ -411,9 +411,8 @@ class VllmAdapter:
         need = kv_cache_bytes(args, slots, cache_len, itemsize)
         have = available_memory(torch.device(self.device))
         if need > have:
-            per_position = need // (slots * cache_len)  # bytes of one slot's position
-            fit_len = max_len_within(have // (per_position * slots), K)
-            fit_seqs = max(have // (per_position * cache_len) - 1, 0)  # one slot more than max_num_seqs
+            fit_len, fit_slots = kv_fit(need, have, slots, cache_len, K)
+            fit_seqs = fit_slots - 1  # one slot more than max_num_seqs
             seqs_hint = f"at most {fit_seqs} fit" if fit_seqs >= 1 else "none fits"
             len_hint = f"at most {fit_len} fits" if fit_len >= 2 else "none fits"
             raise ValueError(
