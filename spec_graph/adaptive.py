@@ -20,10 +20,10 @@ first term rules (every committed token is throughput: argmax E(K) / t(K));
 once the queue is empty the slowest row does, and drafts that only finish
 the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
 (the smaller K on a tie), or once in a while a larger K priced within
-EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts come from the device in the one read the
-engine makes per replay anyway, so choosing costs no host sync. Nothing
-here is random: under a seed (and a fixed time table) the choices, and so
-the tokens, repeat.
+EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts
+come from the device in the one read the engine makes per replay anyway, so
+choosing costs no host sync. Nothing here is random: under a seed (and a
+fixed time table) the choices, and so the tokens, repeat.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ The ops (`torch.ops.spec_graph.*`) run the Triton kernel where
 `platform.use_triton(device)` says so and the reference otherwise; both are
 visible to torch.compile and torch.export.
 """
+import functools
 import hashlib
 import importlib
 import pkgutil
@@ -31,20 +32,32 @@ INDUCTOR_CONFIGS = {"triton_kernel_default_layout_constraint": "flexible_layout"
 _PLAIN = (bool, int, float, str, tuple, list, dict, type(None))
 
 
+def _kernel_modules() -> list:
+    return [importlib.import_module(f"{__name__}.{info.name}")
+            for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> bytes:
+    """The kernel modules' sources, read once: the code this process runs."""
+    h = hashlib.sha256()
+    for module in _kernel_modules():
+        h.update(module.__name__.encode() + Path(module.__file__).read_bytes())
+    return h.digest()
+
+
 def launch_key() -> str:
     """Digest of what the ops decide in Python when a graph is traced: every kernel module's source and the
     current values of its upper-case settings (tiles, row limits, LAUNCH overrides). The compiled graph bakes
     those decisions into its kernel launches, but inductor's caches key a custom op's Triton kernels by their
     source alone, so a changed launch rule (or a setting changed at run time) would be served the launches
     compiled before it. PassManager.uuid() holds this key."""
-    h = hashlib.sha256()
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        h.update(info.name.encode() + Path(module.__file__).read_bytes())
+    h = hashlib.sha256(_sources_digest())
+    for module in _kernel_modules():
         for key in sorted(k for k in vars(module) if k.isupper()):
             value = vars(module)[key]
             if isinstance(value, _PLAIN):
-                h.update(f"|{key}={value!r}".encode())
+                h.update(f"|{module.__name__}.{key}={value!r}".encode())
     return h.hexdigest()
 
 
