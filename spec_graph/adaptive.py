@@ -8,7 +8,7 @@ rows and per row. With K drafts a row commits, in expectation,
 
 tokens per step, and a step of K drafts over the batch bucket takes ``t(K)``
 (measured once, when the graphs are captured: the replay, plus the host's
-read and choice after it, which the next replay waits for; step_times.py).
+read after it, which the next replay waits for; step_times.py).
 A ``generate`` call ends when its last row does, so the chooser minimises
 the time the work left takes:
 
@@ -22,10 +22,13 @@ the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
 (the smaller K on a tie), or once in a while a larger K priced within
 EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts
 come from the device in the one read the engine makes per replay anyway, so
-choosing costs no host sync. Nothing here is random: under a seed (and a
+choosing costs no host sync; and the engine chooses while the replay before
+runs (``ChoiceAhead``), so the choice costs the replays no time either. Nothing here is random: under a seed (and a
 fixed time table) the choices, and so the tokens, repeat.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -133,6 +136,25 @@ class KChooser:
             if d[0]:
                 _decayed_add(*self.rows.setdefault(row, ([0.0] * n, [0.0] * n)), d, ROW_DECAY)
 
+    def has_seen(self, counts: list[int]) -> bool:
+        """Whether ``counts`` are the counters this chooser last observed (rows past them aside)."""
+        return self._last[:len(counts)] == list(counts)
+
+    def after_step(self, row: int, k: int, accepted: int) -> "KChooser":
+        """A copy that has also observed row ``row`` take one step of ``k`` drafts and accept ``accepted`` of them:
+        the counts ``count_acceptance`` adds on the device, on top of the last observed."""
+        counts = list(self._last)
+        base = 2 * self.kmax * row
+        counts += [0] * (base + 2 * self.kmax - len(counts))
+        for j in range(k):
+            counts[base + j] += accepted >= j
+            counts[base + self.kmax + j] += accepted > j
+        fork = copy.copy(self)
+        fork.reached, fork.accepted, fork._last = list(self.reached), list(self.accepted), list(self._last)
+        fork.rows = {r: (list(a), list(b)) for r, (a, b) in self.rows.items()}
+        fork.observe(counts)
+        return fork
+
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE
         for r, a in zip(self.reached, self.accepted):
@@ -170,3 +192,65 @@ class KChooser:
             if wider:
                 return min(wider)
         return best
+
+
+class ChoiceAhead:
+    """A ``KChooser`` driven so that its work falls while a replay runs (the host waits for the replay's end anyway)
+    and costs the replays no time.
+
+    With one busy row and one step per replay, the K after each of the replay's possible outcomes (0..K drafts
+    accepted) is chosen while it runs, and the outcome read after it picks one: the K a choice after the read would
+    make. Otherwise the next K is chosen from the counts up to the replay before (one replay late: a batch's counts
+    move less from one replay to the next than one row's). Where the rows change (an admission, a finished row),
+    the next K is chosen after the read, from every count so far.
+
+    ``choose(chooser, lens) -> K`` prices a chooser's choice for the busy rows at committed lengths ``lens``
+    ({row: length}). Per replay the engine calls ``pick(lens)`` for its K, ``ahead(K, N, lens)`` once it is launched,
+    and ``seen(counts, lens)`` with the read after it; ``admit(row)`` and ``rows_changed()`` where rows change.
+    """
+
+    MAX_FORK_ROWS = 1  # busy rows up to which every outcome is chosen for ahead (their count grows as (K + 1)^rows)
+
+    def __init__(self, chooser: KChooser, choose):
+        self.chooser, self._choose = chooser, choose
+        self._unseen: list[int] | None = None  # counts read, not yet observed
+        self._next: int | None = None
+        self._forks: list | None = None  # [(lens, chooser, K)] per outcome of the running replay
+
+    def _observe_unseen(self) -> None:
+        if self._unseen is not None:
+            self.chooser.observe(self._unseen)
+            self._unseen = None
+
+    def admit(self, row: int) -> None:
+        self._observe_unseen()  # the row's last request's steps count as its, not the new one's
+        self.chooser.admit(row)
+        self._next = None
+
+    def rows_changed(self) -> None:
+        self._next = None
+
+    def pick(self, lens: dict[int, int]) -> int:
+        if self._next is None:
+            self._observe_unseen()
+            self._next = self._choose(self.chooser, lens)
+        return self._next
+
+    def ahead(self, k: int, n: int, lens: dict[int, int]) -> None:
+        self._observe_unseen()
+        if n == 1 and len(lens) <= self.MAX_FORK_ROWS:
+            (row, length), = lens.items()
+            forks = [({row: length + a + 1}, self.chooser.after_step(row, k, a)) for a in range(k + 1)]
+            self._forks = [(ln, fork, self._choose(fork, ln)) for ln, fork in forks]
+        else:  # every row commits at least n tokens
+            self._next = self._choose(self.chooser, {r: length + n for r, length in lens.items()})
+
+    def seen(self, counts: list[int], lens: dict[int, int]) -> None:
+        forks, self._forks = self._forks, None
+        if forks is not None:
+            match = next(((fork, k) for ln, fork, k in forks if ln == lens and fork.has_seen(counts)), None)
+            if match is not None:
+                self.chooser, self._next = match
+                return
+            self._next = None  # not an outcome foreseen: chosen after the read
+        self._unseen = counts

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .adaptive import KChooser
+from .adaptive import ChoiceAhead, KChooser
 from .capture import GraphSet
 from .config import SpecGraphConfig, check_window
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
@@ -153,8 +153,8 @@ class DecoderBase(StepTimes):
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
         self.step_times: dict = {}
         self._timed: set = set()  # the step_times and host_times keys measured here
-        # and {(greedy, bucket): seconds}: the host's own work per replay (the device read and the choice, which
-        # wait for the replay's end), added once per replay to every K's steps; measured where the steps are
+        # and {(greedy, bucket): seconds}: the host's own work per replay (the device read after it, and the choice
+        # where it outlasts the replay), added once per replay to every K's steps; measured where the steps are
         self.host_times: dict = {}
         self.k_counts = torch.zeros(self.rows, 2 * self.K, dtype=torch.long, device=dev)  # per state row
         self.capture_report: dict[int, dict] = {}
@@ -405,11 +405,17 @@ class DecoderBase(StepTimes):
         owner: list[int | None] = [None] * S
         results: list[GenerationResult | None] = [None] * len(encoded)
         steps = prefills = 0
-        chooser = KChooser(self.k_choices) if self.config.adaptive else None
         self.k_counts.zero_()  # the chooser starts from nothing each call: the same seed, the same Ks
         k_per_step: list[int] = []
         slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
+
+        def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
+            left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
+            return c.choose(self._times_for(params.greedy, B, sum(lens.values()) / len(lens)), left,
+                            len(pending) * max_new_tokens)
+
+        chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
         def finish(slots: list[int]) -> None:
             if not slots:
@@ -459,26 +465,26 @@ class DecoderBase(StepTimes):
                     report()
                 continue
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
-            if chooser:
-                left = {s: max_new_tokens + len(encoded[owner[s]]) - live[s] for s in busy}  # tokens each row has left
-                K = chooser.choose(self._times_for(params.greedy, B, sum(live[s] for s in busy) / len(busy)), left,
-                                   len(pending) * max_new_tokens)
-            else:
-                K = self.K
+            K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
             self._run_steps(B, params.greedy, K)
             steps += N
             k_per_step += [K] * N
             for s in busy:
                 slot_ks[s] += [K] * N
-            if chooser:  # the one host read per replay: which rows are active, their lengths, the chooser's counts
+            if chooser:
+                chooser.ahead(K, N, {s: live[s] for s in busy})  # while the replay runs
+                # the one host read per replay: which rows are active, their lengths, the chooser's counts
                 read = self._read_after_replay(B)
                 active = read[:B]
                 for s in busy:
                     live[s] = read[B + s]
-                chooser.observe(read[2 * B:])  # rows [0, B)'s counters
+                chooser.seen(read[2 * B:], {s: live[s] for s in busy})  # rows [0, B)'s counters
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
-            finish([s for s in busy if not active[s]])
+            done = [s for s in busy if not active[s]]
+            if done and chooser:
+                chooser.rows_changed()
+            finish(done)
             if progress is not None:
                 report()
 

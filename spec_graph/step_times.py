@@ -77,20 +77,21 @@ class StepTimes:
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
-        each followed by the loop's device read and a choice, against the same replays followed by a sync. Where
-        HOST_REPLAYS replays would pass TIMING_BUDGET_S (eager steps over a long cache), the read and the choice
-        alone, after a sync: the replays' own jitter would be larger than the difference."""
+        each followed, as in the loop, by a choice made while it runs and the device read after it, against the
+        same replays followed by a sync (a choice longer than the replay shows). Where HOST_REPLAYS replays would
+        pass TIMING_BUDGET_S (eager steps over a long cache), the read alone, after a sync: the replays' own
+        jitter would be larger than the difference, and the choice is hidden behind them."""
         plat = self.platform
         run = self._timed_run((greedy, b, self.k_choices[0]))
         chooser = KChooser(self.k_choices)
-
-        def read_and_choose():
-            chooser.observe(self._read_after_replay(b)[2 * b:])
-            chooser.choose(self._times_for(greedy, b, length), {r: length for r in range(b)})  # every row busy
+        last = []
 
         def with_read():
             run()
-            read_and_choose()
+            if last:
+                chooser.observe(last.pop())
+            chooser.choose(self._times_for(greedy, b, length), {r: length for r in range(b)})  # every row busy
+            last.append(self._read_after_replay(b)[2 * b:])
 
         def with_sync():
             run()
@@ -100,7 +101,7 @@ class StepTimes:
         if replay_s * HOST_REPLAYS > TIMING_BUDGET_S:  # long replays: their jitter would swamp the host's work
             self._as_if_live(snap, length)
             plat.synchronize()
-            return min(_seconds(read_and_choose) for _ in range(HOST_REPLAYS))
+            return min(_seconds(lambda: self._read_after_replay(b)) for _ in range(HOST_REPLAYS))
         best = {}
         for _ in range(repeats):
             for name, fn in (("read", with_read), ("sync", with_sync)):

@@ -12,7 +12,7 @@ from helpers import fake_platform, hf_greedy
 import spec_graph.adaptive as adaptive_mod
 import spec_graph.runtime as runtime_mod
 from spec_graph import SpecDecoder, SpecGraphConfig
-from spec_graph.adaptive import KChooser, expected_tokens
+from spec_graph.adaptive import ChoiceAhead, KChooser, expected_tokens
 from spec_graph.export import ExportError, export_pair
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3]]
@@ -227,12 +227,12 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
         orig = runtime_mod.DecoderBase._steps_fn
         monkeypatch.setattr(runtime_mod.DecoderBase, "_steps_fn", lambda self, g, B, K: orig(self, g, B, self.K))
     dec = _engine(llama_pair)
-    out = dec.generate(PROMPTS, 24)
+    out = dec.generate(PROMPTS, 32)
     if broken:
         with pytest.raises(AssertionError):
-            _check_auto(out, llama_pair, 24)
+            _check_auto(out, llama_pair, 32)
         return
-    _check_auto(out, llama_pair, 24)
+    _check_auto(out, llama_pair, 32)
     steps = [(a, k) for r in out for a, k in zip(r.accepted_counts, r.k_per_step)]
     # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
     assert {a for a, k in steps if a < k} >= {0, 1, 2} and (2, 2) in steps, steps
@@ -243,9 +243,21 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
 
 
+class _AfterTheRead(ChoiceAhead):
+    """Observes each replay's counts and chooses after its read (the reference the B=1 choice must equal)."""
+
+    def ahead(self, k, n, lens):
+        pass
+
+    def seen(self, counts, lens):
+        self.chooser.observe(counts)
+        self._next = None  # chosen at the next pick, with the lengths read
+
+
 def test_engine_tells_the_chooser_the_work_left(llama_pair, monkeypatch):
     """Before each replay the chooser hears each busy row's tokens left and those of the requests still waiting;
-    a row taken by a new request is admitted afresh. Four requests in two rows: each row serves two."""
+    a row taken by a new request is admitted afresh. Four requests in two rows: each row serves two. (Chosen
+    after each read here, where every choice is the one used; test_choice_ahead_of_a_batch for the engine's.)"""
     seen = []
 
     class Recording(KChooser):
@@ -258,6 +270,7 @@ def test_engine_tells_the_chooser_the_work_left(llama_pair, monkeypatch):
             return super().choose(times, remaining, queued)
 
     monkeypatch.setattr(runtime_mod, "KChooser", Recording)
+    monkeypatch.setattr(runtime_mod, "ChoiceAhead", _AfterTheRead)
     _engine(llama_pair, max_batch_size=2).generate(PROMPTS, 12)
     assert seen[:3] == [("admit", 0), ("admit", 1), ({0: 11, 1: 11}, 2 * 12)]  # one token each from its prefill
     assert sorted(x for x in seen if x[0] == "admit") == [("admit", 0), ("admit", 0), ("admit", 1), ("admit", 1)]
@@ -270,6 +283,94 @@ def test_engine_tells_the_chooser_the_work_left(llama_pair, monkeypatch):
             assert 0 < left < last.get(row, 13), (row, left, seen)
             last[row] = left
     assert seen[-1][1] == 0
+
+
+def _chooses_while_replays_run(events: list[str]) -> bool:
+    """Each replay's chooser work (but where the rows changed: the first replay's choice) falls between its launch
+    and its read, while it runs; nothing of it between the read and the next launch."""
+    text = " ".join(events)
+    between = text.split("read")[1:-1]  # from each read to the next one
+    return all(x.strip() == "replay" or x.strip().startswith("replay ") and "choose" in x for x in between) \
+        and all(x.strip().split()[0] == "replay" for x in between)
+
+
+class _OneReplayLate(ChoiceAhead):
+    """Chooses every next K from the counts up to the replay before, one row as a batch (broken for B=1)."""
+    MAX_FORK_ROWS = 0
+
+
+@pytest.mark.parametrize("order", ["engine", "after the read"])
+def test_engine_chooses_while_the_replay_runs(llama_pair, monkeypatch, order):
+    """The host waits for each replay's end anyway: the chooser's work goes there, off the replays' path. One
+    request (no row changes after the first replay). Control: a loop that chooses after the read."""
+    events = []
+
+    class Recording(KChooser):
+        def observe(self, counts):
+            events.append("observe")
+            super().observe(counts)
+
+        def choose(self, times, remaining=None, queued=0):
+            events.append("choose")
+            return super().choose(times, remaining, queued)
+
+    monkeypatch.setattr(runtime_mod, "KChooser", Recording)
+    if order != "engine":
+        monkeypatch.setattr(runtime_mod, "ChoiceAhead", _AfterTheRead)
+    dec = _engine(llama_pair, max_batch_size=1)
+    run, read = dec._run_steps, dec._read_after_replay
+    monkeypatch.setattr(dec, "_run_steps", lambda *a: (events.append("replay"), run(*a))[1])
+    monkeypatch.setattr(dec, "_read_after_replay", lambda B: (events.append("read"), read(B))[1])
+    out = dec.generate(PROMPTS[:1], 24)
+    assert out[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 24)
+    assert events.count("replay") == len(out.stats.k_per_step) > 3
+    assert _chooses_while_replays_run(events) == (order == "engine"), events
+
+
+class _LateWithoutProgress(ChoiceAhead):
+    """Broken: a batch's next K priced at the lengths before the running replay."""
+
+    def ahead(self, k, n, lens):
+        super().ahead(k, 0, lens)
+
+
+@pytest.mark.parametrize("cls", [ChoiceAhead, _LateWithoutProgress])
+def test_choice_ahead_of_a_batch(cls):
+    """Two busy rows: while replay n runs, the counts of replay n - 1 are observed and the next K is chosen for
+    rows that will have committed at least the replay's N steps' tokens; used at the next pick, unless the rows
+    change; the counts read after replay n are observed during replay n + 1, or before a choice after the read."""
+    calls = []
+
+    def choose(chooser, lens):
+        calls.append((dict(lens), chooser.reached[0]))
+        return len(calls)
+
+    ahead = cls(KChooser((1, 2)), choose)
+    assert ahead.pick({0: 10, 1: 12}) == 1 and ahead.pick({0: 10, 1: 12}) == 1  # chosen once
+    ahead.ahead(2, 3, {0: 10, 1: 12})
+    one_step = [1, 1, 1, 1, 0, 0, 0, 0]  # row 0 accepted both drafts, row 1 took no step
+    ahead.seen(one_step, {0: 15, 1: 13})
+    assert ahead.pick({0: 15, 1: 13}) == 2
+    ahead.ahead(2, 3, {0: 15, 1: 13})
+    ok = calls == [({0: 10, 1: 12}, 0.0), ({0: 13, 1: 15}, 0.0), ({0: 18, 1: 16}, 1.0)]
+    ahead.seen(one_step, {0: 20, 1: 16})
+    ahead.rows_changed()
+    assert ahead.pick({0: 20, 1: 16}) == 4  # chosen again after the read, the last counts seen
+    assert ok == (cls is ChoiceAhead), calls
+
+
+@pytest.mark.parametrize("ahead", [ChoiceAhead, _OneReplayLate])
+def test_one_row_gets_the_choice_after_the_read(llama_pair, monkeypatch, ahead):
+    """With one busy row, the K chosen ahead for the replay's real outcome is the K a choice after the read makes:
+    the same K sequence, step for step. Broken: the next K from the counts up to the replay before."""
+    def ks(cls):
+        monkeypatch.setattr(runtime_mod, "ChoiceAhead", cls)
+        dec = _engine(llama_pair, max_batch_size=1)
+        return [r.k_per_step for r in dec.generate(PROMPTS, 32)]
+
+    reference, got = ks(_AfterTheRead), ks(ahead)
+    assert len({k for r in reference for k in r}) >= 3, reference  # K moves: the choices have something to differ in
+    assert (got == reference) == (ahead is ChoiceAhead), (got, reference)
 
 
 def test_auto_captured_n_steps_per_replay(llama_pair):
