@@ -137,8 +137,9 @@ class KChooser:
                 _decayed_add(*self.rows.setdefault(row, ([0.0] * n, [0.0] * n)), d, ROW_DECAY)
 
     def has_seen(self, counts: list[int]) -> bool:
-        """Whether ``counts`` are the counters this chooser last observed (rows past them aside)."""
-        return self._last[:len(counts)] == list(counts)
+        """Whether ``counts`` are the counters this chooser last observed (rows past them aside; rows it never
+        observed count zero, as they start)."""
+        return self._last[:len(counts)] + [0] * (len(counts) - len(self._last)) == list(counts)
 
     def after_step(self, row: int, k: int, accepted: int) -> "KChooser":
         """A copy that has also observed row ``row`` take one step of ``k`` drafts and accept ``accepted`` of them:

@@ -327,6 +327,33 @@ def test_engine_chooses_while_the_replay_runs(llama_pair, monkeypatch, order):
     assert _chooses_while_replays_run(events) == (order == "engine"), events
 
 
+def test_after_step_is_the_devices_count():
+    """A chooser's fork for row r taking K drafts and accepting a has seen what count_acceptance adds on the
+    device, row r's rates and all: for every K, every outcome, a row inside a larger bucket; the neighbouring
+    outcomes (the control) it has not."""
+    kmax, B = 4, 3
+    start = torch.tensor([[3, 2, 1, 0, 2, 1, 0, 0], [0] * 8, [5, 4, 4, 1, 4, 4, 1, 0]])
+    base = KChooser((1, 2, 4))
+    base.observe(start.flatten().tolist())
+    for k, row in itertools.product((1, 2, 4), (0, 2)):
+        for a in range(k + 1):
+            counts = start.clone()
+            accepted = torch.full((B,), -1)
+            accepted[row] = a
+            adaptive_mod.count_acceptance(counts, accepted, k)
+            real = counts.flatten().tolist()
+            ref = KChooser((1, 2, 4))
+            ref.observe(start.flatten().tolist())
+            ref.observe(real)
+            fork = base.after_step(row, k, a)
+            assert fork.has_seen(real) and fork.rates() == ref.rates() and fork.row_rates(row) == ref.row_rates(row)
+            assert base.has_seen(start.flatten().tolist()) and not base.has_seen(real)  # the base is untouched
+            for other in (a - 1, a + 1):
+                if 0 <= other <= k:
+                    assert not base.after_step(row, k, other).has_seen(real)
+    assert kmax == base.kmax
+
+
 class _LateWithoutProgress(ChoiceAhead):
     """Broken: a batch's next K priced at the lengths before the running replay."""
 
