@@ -207,6 +207,38 @@ def test_nan_logits_fail_one_request_only(tmp_path, references):
     assert [out[i].token_ids for i in (0, 2, 3)] == [clean[0], clean[1], clean[3]]
 
 
+def _prefill_over_the_whole_caches(self, toks, pos, slots, lens):
+    """The prefill as it was: both models over the whole caches (max_len positions, masked past the prompt)."""
+    with torch.inference_mode():
+        self.draft(toks, pos, *self.draft_kv, slots=slots)
+        logits = self.target(toks, pos, *self.target_kv, slots=slots)
+        return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
+
+
+@pytest.mark.parametrize("whole_caches", [False, True])
+def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monkeypatch, whole_caches):
+    """A prefill's attention covers the prompt's length bucket, not max_len (its work follows the prompt): with
+    every cache position past the bucket (16 here) NaN before the prefill, the first tokens are still HF's.
+    Control: a prefill over the whole caches reads the NaNs (masked, 0 * NaN) and fails each request."""
+    import spec_graph.engine as engine_mod
+
+    def nan_past_the_bucket(self, slots):
+        for kc, vc in (self.target_kv, self.draft_kv):
+            kc[:, slots] = 0
+            vc[:, slots] = 0
+            kc[:, slots, :, 16:] = float("nan")
+            vc[:, slots, :, 16:] = float("nan")
+
+    monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past_the_bucket)
+    if whole_caches:
+        monkeypatch.setattr(engine_mod.SpecDecoder, "_prefill_forward", _prefill_over_the_whole_caches)
+    target, draft = llama_pair
+    out = decoder(target, draft, 3, max_len=1024, max_batch_size=8).generate(PROMPTS, max_new_tokens=1)
+    firsts = [r.token_ids for r in out]
+    assert max(len(p) for p in PROMPTS) <= 16
+    assert (firsts == [ref[:1] for ref in references]) == (not whole_caches), firsts
+
+
 # ---------------------------------------------------------------- bad input
 def test_error_vocab_mismatch(tmp_path, llama_pair):
     target, _ = llama_pair

@@ -8,8 +8,8 @@ with ``index_put_`` (``scatter_`` would make inductor copy the whole cache).
 Decode and verify forwards (few query positions) attend through the fused
 ``spec_graph::decode_attention`` op, whose work follows each row's live length
 (read from ``positions`` on the device); where the Triton kernels do not run
-(CPU), and for prefills, attention covers the whole buffer under a position
-mask. Shapes stay static either way. Those forwards also run each layer's
+(CPU), attention covers the whole buffer under a position mask, and a prefill
+its own first positions (``kv_len``). Shapes stay static either way. Those forwards also run each layer's
 products as fused kernels (kernels/decode_linear.py: the norms, RoPE, SiLU*up
 and the residual adds folded in) where the rows fit (FUSED_LAYERS).
 """
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, kv_len=None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, positions, k_cache, v_cache, slots)
+        out = self.attend(q, k, v, positions, k_cache, v_cache, slots, kv_len)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
     def uses_decode_attention(self, x) -> bool:
@@ -102,8 +102,9 @@ class Attention(nn.Module):
         return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
                 and platform.use_triton(x.device))
 
-    def attend(self, q, k, v, positions, k_cache, v_cache, slots):
-        """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]."""
+    def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None):
+        """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]. ``kv_len``: every
+        position is below it (a prefill's length), so the matmul path reads that much of the cache alone."""
         B, T = q.shape[:2]
         v = v.reshape(B, T, self.n_kv, self.head_dim)
         rows = (torch.arange(B, device=q.device) if slots is None else slots)[:, None, None]
@@ -118,6 +119,8 @@ class Attention(nn.Module):
             return decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
         g = self.n_heads // self.n_kv
         kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views, read only
+        if kv_len is not None:
+            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         # Rows 0..B-1 are slots 0..B-1 in the step: a slice reads the cache without a gather copy.
         keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
 
@@ -158,12 +161,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.fused = None  # None: FUSED_LAYERS decides; Transformer.fused_layers sets it per model
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None, kv_len=None):
         fused = FUSED_LAYERS if self.fused is None else self.fused
         if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x)
                 and platform.use_fused_linear(x.device) and fused_rows_ok(x)):
             return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots, sync)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
@@ -199,7 +202,8 @@ class Transformer(nn.Module):
 
     Row ``b`` reads and writes cache slot ``slots[b]`` (slot ``b`` when ``slots`` is None). Keys at positions above
     a query's own are masked, so stale cache entries past a request's length
-    are never read before they are overwritten.
+    are never read before they are overwritten. ``kv_len`` (a prefill's length, every position below it): attention
+    reads the caches' first ``kv_len`` positions alone, so that a prefill's work follows the prompt, not max_len.
     """
 
     def __init__(self, args: ModelArgs):
@@ -230,13 +234,13 @@ class Transformer(nn.Module):
         make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device)  # noqa: E731
         return make(), make()
 
-    def forward(self, tokens, positions, k_cache, v_cache, slots=None):
+    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None):
         x = self.model.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
         if (fused and self.model.layers[0].self_attn.uses_decode_attention(x) and platform.use_fused_linear(x.device)
