@@ -33,10 +33,13 @@ logits).
 - KV caches ``draft_k, draft_v, target_k, target_v``: zeros of the shapes and
   dtypes in ``metadata["kv_cache"]`` (``[layers, rows, kv_heads, cache_len,
   head_dim]``, rows = the largest batch size); a slot is zeroed before its prefill;
-- prefill ``(*weights, toks [n,T], pos [n,T], slots [n], lens [n], *kv) ->
+- prefill ``(*weights, toks [n,T], pos [n,T], slots [n], lens [n], span [T], *kv) ->
   float32 logits [n, V]`` at each prompt's last token; n in 1..rows and T in
   1..cache_len are dynamic (one artifact: a compile per power-of-two length
   would multiply compile time, and the dynamic-shape export compiles reliably);
+  ``span`` (any int64 [T], its length alone counts) bounds the cache positions
+  attention reads: a second symbolic length, as the prompt's own would need
+  guards over [T, T] shapes that export cannot prove;
 - step for batch size B ``(*weights, *state, out_buf, acc_log, stop_ids, *kv)``:
   ``state`` is ``step.STATE_FIELDS`` in order, each the first B rows of a
   ``[rows]``-leading buffer; ``out_buf``/``acc_log`` ``[B, max_len]`` int64;
@@ -73,7 +76,9 @@ from .runtime import WRITEBACK, DecoderBase
 from .step import STATE_FIELDS
 
 FORMAT = "spec-graph-export"
-FORMAT_VERSION = 2  # 2: one step artifact per mode (dynamic batch), optional sampling step, sha256 of every member
+# 2: one step artifact per mode (dynamic batch), optional sampling step, sha256 of every member; 3: the prefill's
+# span input (it reads its own positions of the caches, not all of them)
+FORMAT_VERSION = 3
 META, WEIGHTS, TOKENIZER = "metadata.json", "weights.safetensors", "tokenizer.json"
 MODES = ("greedy", "sample")  # the step variants, by their artifact names (step_greedy, step_sample)
 # Line tables only help profilers; without them each artifact's .so is about a third the size.
@@ -270,9 +275,10 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
     fcall = torch.func.functional_call
 
     def prefill(*flat):
-        wt, wd, (toks, pos, slots, lens, dk, dv, tk, tv) = _split_weights(flat, names_t, names_d)
-        fcall(draft, wd, (toks, pos, dk, dv), {"slots": slots})
-        logits = fcall(target, wt, (toks, pos, tk, tv), {"slots": slots})
+        wt, wd, (toks, pos, slots, lens, span, dk, dv, tk, tv) = _split_weights(flat, names_t, names_d)
+        kv_len = span.shape[0]  # positions [0, T): attention reads that much of the caches, not max_len
+        fcall(draft, wd, (toks, pos, dk, dv), {"slots": slots, "kv_len": kv_len})
+        logits = fcall(target, wt, (toks, pos, tk, tv), {"slots": slots, "kv_len": kv_len})
         return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
 
     def make_step(greedy: bool):
@@ -324,12 +330,13 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
         toks = torch.zeros(n_ex, t_ex, dtype=torch.long, device=dev)
         pos = torch.arange(t_ex, device=dev).expand(n_ex, t_ex).contiguous()
         ex = (*weights, toks, pos, torch.arange(n_ex, device=dev), torch.full((n_ex,), t_ex, device=dev),
-              *dec.draft_kv, *dec.target_kv)
+              torch.arange(t_ex, device=dev), *dec.draft_kv, *dec.target_kv)
         n_dim = torch.export.Dim("n", min=1, max=dec.rows) if dec.rows > 1 else None
         t_dim = torch.export.Dim("T", min=1, max=dec.cache_len)
         seq = {0: n_dim, 1: t_dim} if n_dim is not None else {1: t_dim}
         per_prompt = {0: n_dim} if n_dim is not None else None
-        ds = ((None,) * len(weights) + (seq, seq, per_prompt, per_prompt) + (None,) * 4,)  # one entry: forward(*flat)
+        span = {0: torch.export.Dim("L", min=1, max=dec.cache_len - 1)}  # below cache_len: a slice, not all of it
+        ds = ((None,) * len(weights) + (seq, seq, per_prompt, per_prompt, span) + (None,) * 4,)  # forward(*flat)
         with bar.bucket("prefill", 2) as b:
             compile_program(b, "prefill", "prefill", *export_program(b, "prefill", prefill, ex, ds), served=sizes)
 
@@ -516,7 +523,7 @@ class ExportedRunner(DecoderBase):
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
         with torch.inference_mode():  # the artifact assumes contiguous inputs: pos arrives as an expanded view
             return self._prefill_fn(*self.weights, toks.contiguous(), pos.contiguous(), slots.contiguous(),
-                                    lens.contiguous(), *self.draft_kv, *self.target_kv)
+                                    lens.contiguous(), pos[0].contiguous(), *self.draft_kv, *self.target_kv)
 
     def _step_fn(self, greedy: bool, K: int | None = None):
         if not greedy and not self.sampling:

@@ -224,7 +224,8 @@ class DecoderBase(StepTimes):
                  params: SamplingParams, stop_ids: torch.Tensor) -> None:
         dev, n = self.device, len(slots)
         T = max(len(p) for p in prompts)
-        T = min(1 << (T - 1).bit_length(), self.cache_len)  # few distinct prefill shapes
+        # few distinct prefill shapes; below cache_len (prompts are shorter than max_len), as an export's span is
+        T = min(1 << (T - 1).bit_length(), self.cache_len - 1)
         toks = torch.zeros(n, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             toks[i, : len(p)] = torch.tensor(p)

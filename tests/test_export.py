@@ -186,6 +186,29 @@ def test_greedy_equals_engine_token_for_token(exported, reference, llama_pair, s
     assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 20) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("new_tokens", [1, 8])
+def test_exported_prefill_reads_its_own_positions(exported, reference, monkeypatch, new_tokens):
+    """The exported prefill reads the caches' first T positions alone (its span, T = 16 for these prompts), so
+    its work follows the prompt, not max_len: with every position past 16 NaN before each prefill, the first
+    tokens are still the engine's. Control: the exported step, which on a CPU attends over the whole buffer
+    under a mask, reads the same NaNs (0 * NaN) and fails every request that takes a step."""
+    import spec_graph.export as export_mod
+
+    def nan_past_the_bucket(self, slots):
+        for kc, vc in (self.target_kv, self.draft_kv):
+            for c in (kc, vc):
+                c[:, slots] = 0
+                c[:, slots, :, 16:] = float("nan")
+
+    monkeypatch.setattr(export_mod.ExportedRunner, "_zero_slots", nan_past_the_bucket)
+    out = load_exported(exported[0]).generate(PROMPTS, max_new_tokens=new_tokens)
+    assert max(len(p) for p in PROMPTS) <= 16
+    if new_tokens == 1:
+        assert [r.token_ids for r in out] == [r.token_ids[:1] for r in reference()]
+    else:
+        assert {r.finish_reason for r in out} == {"error"}, [r.finish_reason for r in out]
+
+
 def test_sampling_equals_engine(runner, engine):
     kw = dict(max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=3)
     out, ref = runner.generate(PROMPTS, **kw), engine.generate(PROMPTS, **kw)
