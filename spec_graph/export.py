@@ -35,11 +35,11 @@ logits).
   head_dim]``, rows = the largest batch size); a slot is zeroed before its prefill;
 - prefill ``(*weights, toks [n,T], pos [n,T], slots [n], lens [n], span [T], *kv) ->
   float32 logits [n, V]`` at each prompt's last token; n in 1..rows and T in
-  1..cache_len are dynamic (one artifact: a compile per power-of-two length
+  1..cache_len - 1 are dynamic (one artifact: a compile per power-of-two length
   would multiply compile time, and the dynamic-shape export compiles reliably);
-  ``span`` (any int64 [T], its length alone counts) bounds the cache positions
-  attention reads: a second symbolic length, as the prompt's own would need
-  guards over [T, T] shapes that export cannot prove;
+  ``span``: any int64 tensor of length T (its length alone is read), the cache
+  positions attention reads: a second symbolic length, as the prompt's own
+  would need guards over [T, T] shapes that export cannot prove;
 - step for batch size B ``(*weights, *state, out_buf, acc_log, stop_ids, *kv)``:
   ``state`` is ``step.STATE_FIELDS`` in order, each the first B rows of a
   ``[rows]``-leading buffer; ``out_buf``/``acc_log`` ``[B, max_len]`` int64;

@@ -11,7 +11,7 @@ import time
 import torch
 
 from . import platform as _platform
-from .adaptive import KChooser
+from .adaptive import ChoiceAhead, KChooser
 
 # each K's step is timed at a short and at this live length (or max_len / 2 if shorter), and interpolated
 TIME_LENGTH = 1024
@@ -77,21 +77,20 @@ class StepTimes:
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays
-        each followed, as in the loop, by a choice made while it runs and the device read after it, against the
-        same replays followed by a sync (a choice longer than the replay shows). Where HOST_REPLAYS replays would
-        pass TIMING_BUDGET_S (eager steps over a long cache), the read alone, after a sync: the replays' own
-        jitter would be larger than the difference, and the choice is hidden behind them."""
+        each followed, as in the loop, by the chooser's work while it runs (``ChoiceAhead``) and the device read
+        after it, against the same replays followed by a sync (where the replays run on a device, the chooser's
+        work shows only where it outlasts them). Where HOST_REPLAYS replays would pass TIMING_BUDGET_S (eager
+        steps over a long cache), the read alone, after a sync: the replays' own jitter would be larger than the
+        difference."""
         plat = self.platform
         run = self._timed_run((greedy, b, self.k_choices[0]))
-        chooser = KChooser(self.k_choices)
-        last = []
+        lens = {r: length for r in range(b)}  # every row busy
+        ahead = ChoiceAhead(KChooser(self.k_choices), lambda c, ln: c.choose(self._times_for(greedy, b, length), ln))
 
         def with_read():
             run()
-            if last:
-                chooser.observe(last.pop())
-            chooser.choose(self._times_for(greedy, b, length), {r: length for r in range(b)})  # every row busy
-            last.append(self._read_after_replay(b)[2 * b:])
+            ahead.ahead(self.k_choices[0], self.config.steps_per_graph, lens)
+            ahead.seen(self._read_after_replay(b)[2 * b:], lens)
 
         def with_sync():
             run()

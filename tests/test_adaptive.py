@@ -352,6 +352,14 @@ def test_after_step_is_the_devices_count():
                 if 0 <= other <= k:
                     assert not base.after_step(row, k, other).has_seen(real)
     assert kmax == base.kmax
+    # a fork for a row past the counts observed so far (rows never observed count zero, as on the device)
+    first = KChooser((1, 2, 4))
+    first.observe(start[0].tolist())
+    counts = start.clone()
+    counts[1:] = 0
+    adaptive_mod.count_acceptance(counts, torch.tensor([-1, -1, 2]), 4)
+    assert first.after_step(2, 4, 2).has_seen(counts.flatten().tolist())
+    assert not first.after_step(2, 4, 1).has_seen(counts.flatten().tolist())
 
 
 class _LateWithoutProgress(ChoiceAhead):

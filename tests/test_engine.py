@@ -233,7 +233,8 @@ def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monke
     if whole_caches:
         monkeypatch.setattr(engine_mod.SpecDecoder, "_prefill_forward", _prefill_over_the_whole_caches)
     target, draft = llama_pair
-    out = decoder(target, draft, 3, max_len=1024, max_batch_size=8).generate(PROMPTS, max_new_tokens=1)
+    # on CPU: a device's 16-token prefill of this pair takes the live-length attention kernel whatever it is given
+    out = decoder(target, draft, 3, max_len=1024, max_batch_size=8, device="cpu").generate(PROMPTS, max_new_tokens=1)
     firsts = [r.token_ids for r in out]
     assert max(len(p) for p in PROMPTS) <= 16
     assert (firsts == [ref[:1] for ref in references]) == (not whole_caches), firsts
