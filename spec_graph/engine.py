@@ -122,6 +122,7 @@ class SpecDecoder(DecoderBase):
         self._fusion_warned: set = set()  # passes warned about (once per engine and pass)
         super().__init__(config, vocab, device, plat, tokenizer, eos_token_ids,
                          use_graphs=bool(self.compiled and plat.supports_graphs))
+        self.span_steps = not self.compiled  # an eager step reads the caches up to its rows' span alone
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -163,12 +164,12 @@ class SpecDecoder(DecoderBase):
 
             rows = self.rows
 
-            def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
+            def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv, kv_len=None):
                 # No batch exceeds the engine's rows: said inside the graph, so that what holds for every batch up
                 # to them (the fused decode layers' row limit, say) is known from the symbolic batch's range
                 torch._check(st["tail"].shape[0] <= rows)
                 new = speculative_step(draft, target, draft_kv, target_kv, st, out_buf, acc_log, stop_ids, K,
-                                       greedy, fused=not compiled, verification=verification)
+                                       greedy, fused=not compiled, verification=verification, kv_len=kv_len)
                 if "k_counts" in st:  # "auto": inside the compiled step, where it fuses into a kernel or two
                     count_acceptance(st["k_counts"], new["accepted"], K)
                 for k in WRITEBACK:

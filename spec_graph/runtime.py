@@ -148,6 +148,10 @@ class DecoderBase(StepTimes):
         self._new_prefill_graphs()
         self._captured_modes: set = set()
         self._fallback_warned = False
+        # Eager steps (set by a subclass whose step takes ``kv_len``) read the caches up to their rows' longest
+        # length plus what the step can write, not all of max_len; the host reads the lengths with the one read
+        # per replay. Static (compiled, captured) steps cannot: their shapes are fixed.
+        self.span_steps = False
         # Adaptive K: seconds per step at {(greedy, bucket, K)}, measured once at capture (an entry set beforehand
         # is kept, so a caller can fix the table); the device counters the chooser reads (see adaptive.py);
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
@@ -292,10 +296,16 @@ class DecoderBase(StepTimes):
     def _buckets(self) -> list[int]:
         return sorted({b for b in self.config.batch_buckets if b <= self.rows} | {self.rows}, reverse=True)
 
-    def _steps_fn(self, greedy: bool, B: int, K: int):
-        """The N-step callable over rows [0, B) with K drafts."""
+    def _steps_fn(self, greedy: bool, B: int, K: int, longest: int | None = None):
+        """The N-step callable over rows [0, B) with K drafts (an eager step's span: rows at most `longest` long)."""
         fn, args, N = self._step_fn(greedy, K), self._step_args(B), self.config.steps_per_graph
-        return lambda: [fn(*args) for _ in range(N)]
+        span = {} if longest is None or not self.span_steps else {"kv_len": self._span(longest, K)}
+        return lambda: [fn(*args, **span) for _ in range(N)]
+
+    def _span(self, longest: int, K: int) -> int:
+        """Cache positions an eager replay of N steps reads where its busy rows are at most `longest` long: every
+        position a step writes (up to length - 1 + K) and reads, after the replay's earlier steps."""
+        return min(longest + (self.config.steps_per_graph + 1) * (K + 2), self.cache_len)
 
     def _capture(self, greedy: bool) -> None:
         """Capture every (bucket, K) N-step graph, while no row is active (warm-up runs for real); with "auto",
@@ -342,8 +352,9 @@ class DecoderBase(StepTimes):
             self.host_times.pop(key, None)
         self._timed.clear()
 
-    def _run_steps(self, B: int, greedy: bool, K: int | None = None) -> None:
-        """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists."""
+    def _run_steps(self, B: int, greedy: bool, K: int | None = None, longest: int | None = None) -> None:
+        """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists (else eager,
+        over the span of rows at most `longest` long)."""
         K = self.K if K is None else K
         key = (greedy, B, K)
         if self.graphs is not None and key in self.graphs:
@@ -354,7 +365,7 @@ class DecoderBase(StepTimes):
             why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
             log.warning("spec-graph: running the step uncaptured (%s)", why)
         with torch.inference_mode():
-            self._steps_fn(greedy, B, K)()
+            self._steps_fn(greedy, B, K, longest)()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -467,7 +478,7 @@ class DecoderBase(StepTimes):
                 continue
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
-            self._run_steps(B, params.greedy, K)
+            self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
             steps += N
             k_per_step += [K] * N
             for s in busy:
@@ -480,6 +491,11 @@ class DecoderBase(StepTimes):
                 for s in busy:
                     live[s] = read[B + s]
                 chooser.seen(read[2 * B:], {s: live[s] for s in busy})  # rows [0, B)'s counters
+            elif self.span_steps:  # the one host read per replay, with the lengths that bound the next span
+                read = torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B])).tolist()
+                active = read[:B]
+                for s in busy:
+                    live[s] = read[B + s]
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
             done = [s for s in busy if not active[s]]

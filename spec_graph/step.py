@@ -32,7 +32,7 @@ STATE_FIELDS = ("tail", "seq_lens", "n_out", "max_new", "active", "error", "seed
 
 def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: torch.Tensor,
                      acc_log: torch.Tensor, stop_ids: torch.Tensor, K: int, greedy: bool,
-                     fused: bool = True, verification: str = "token") -> dict:
+                     fused: bool = True, verification: str = "token", kv_len: int | None = None) -> dict:
     """One speculative step over ``B = state["tail"].shape[0]`` rows.
 
     ``state`` holds ``[B]``-leading tensors (see ``STATE_FIELDS``); the new
@@ -41,7 +41,8 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     updated in place. ``fused=False`` writes acceptance, counting and input
     preparation in their plain-torch reference formulation, which the
     ``spec_graph`` backend's fusion passes turn back into the fused ops.
-    ``verification`` ("token" or "block") picks the sampling rule.
+    ``verification`` ("token" or "block") picks the sampling rule. ``kv_len``: every live row's positions
+    stay below it (an eager step's span): attention that covers the cache reads that much of it alone.
     """
     tail, c, active = state["tail"], state["seq_lens"], state["active"]
     seeds, steps = state["seeds"], state["steps"]
@@ -57,12 +58,13 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     # ordinary token id that the target accepts only where it equals its own argmax. Sampling: such a draft
     # is proposed with q = one-hot(d) (d ~ q holds trivially), so the rejection rule accepts it with
     # probability p(d) and otherwise resamples from p without d: still exactly the target's distribution.
-    logits = draft(tail, pos, *draft_kv)[:, -1]
+    span = {} if kv_len is None else {"kv_len": kv_len}
+    logits = draft(tail, pos, *draft_kv, **span)[:, -1]
     drafts, draft_probs = [], []
     for j in range(K):
         if j > 0:
             pos_j = (c - 1 + j).clamp(0, last_pos)[:, None]
-            logits = draft(drafts[-1][:, None], pos_j, *draft_kv)[:, 0]
+            logits = draft(drafts[-1][:, None], pos_j, *draft_kv, **span)[:, 0]
         if greedy:
             d = logits.argmax(-1)
         else:
@@ -76,7 +78,7 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     # 2. target verify over K+1 positions
     vtok = torch.cat((tail[:, 1:], draft_ids), dim=1)
     vpos = (c[:, None] - 1 + torch.arange(K + 1, device=dev)[None]).clamp(0, last_pos)
-    tlogits = target(vtok, vpos, *target_kv)  # [B, K+1, V]
+    tlogits = target(vtok, vpos, *target_kv, **span)  # [B, K+1, V]
     finite = torch.isfinite(tlogits).all(-1).all(-1)  # the target's logits decide; a failed row commits nothing
     ok = active & finite
 

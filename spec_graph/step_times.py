@@ -42,8 +42,9 @@ class StepTimes:
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
         lo = 16
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
-        # attention's work follows the live length only where its kernel runs (else it covers the whole cache)
-        lengths = (lo, hi) if _platform.use_triton(self.device) else (lo,)
+        # attention's work follows the live length where its kernel runs or an eager step reads a span (else it
+        # covers the whole cache)
+        lengths = (lo, hi) if _platform.use_triton(self.device) or self.span_steps else (lo,)
         snap = {k: v.clone() for k, v in st.items()}
         try:
             for b in self._buckets():
@@ -51,9 +52,9 @@ class StepTimes:
                     key = (greedy, b, K)
                     if key in self.step_times:
                         continue
-                    run = self._timed_run(key)
                     at = []
                     for L in lengths:
+                        run = self._timed_run(key, L)
                         times = []
                         for i in range(repeats + 1):  # the first warms (uncaptured: it may compile)
                             self._as_if_live(snap, L)
@@ -83,7 +84,7 @@ class StepTimes:
         steps over a long cache), the read alone, after a sync: the replays' own jitter would be larger than the
         difference."""
         plat = self.platform
-        run = self._timed_run((greedy, b, self.k_choices[0]))
+        run = self._timed_run((greedy, b, self.k_choices[0]), length)
         lens = {r: length for r in range(b)}  # every row busy
         ahead = ChoiceAhead(KChooser(self.k_choices), lambda c, ln: c.choose(self._times_for(greedy, b, length), ln))
 
@@ -114,11 +115,12 @@ class StepTimes:
                 best[name] = min(best.get(name, t), t)
         return max(best["read"] - best["sync"], 0.0)
 
-    def _timed_run(self, key):
-        """The step of key (greedy, bucket, K) as the engine runs it: its graph's replay, or uncaptured."""
+    def _timed_run(self, key, length: int):
+        """The step of key (greedy, bucket, K) as the engine runs it at live length `length`: its graph's replay,
+        or uncaptured."""
         if self.graphs is not None and key in self.graphs:
             return lambda: self.graphs.replay(key)
-        return self._steps_fn(*key)
+        return self._steps_fn(*key, length)
 
     def _read_after_replay(self, B: int) -> list[int]:
         """The one host read per replay of an adaptive engine: rows [0, B)'s active flags and lengths, then the

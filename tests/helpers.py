@@ -211,3 +211,14 @@ def run_compiled_script(script: str, *args, skip_without_ptxas: bool = False):
         pytest.skip("this triton cannot compile for sm90 here (no ptxas)")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def nan_past(position: int):
+    """A ``_zero_slots`` that zeroes a slot's caches, then fills every position from ``position`` on with NaN:
+    garbage that a forward reading past its own positions would meet (masked, 0 * NaN is still NaN)."""
+    def zero_then_nan(self, slots):
+        for kc, vc in (self.target_kv, self.draft_kv):
+            for c in (kc, vc):
+                c[:, slots] = 0
+                c[:, slots, :, position:] = float("nan")
+    return zero_then_nan

@@ -225,7 +225,8 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     and the device counters equal the results'. Broken: the engine runs the largest K whatever it chose."""
     if broken:
         orig = runtime_mod.DecoderBase._steps_fn
-        monkeypatch.setattr(runtime_mod.DecoderBase, "_steps_fn", lambda self, g, B, K: orig(self, g, B, self.K))
+        monkeypatch.setattr(runtime_mod.DecoderBase, "_steps_fn",
+                            lambda self, g, B, K, *rest: orig(self, g, B, self.K, *rest))
     dec = _engine(llama_pair)
     out = dec.generate(PROMPTS, 32)
     if broken:
@@ -465,13 +466,13 @@ def test_long_steps_are_timed_fewer_times(llama_pair, monkeypatch, budget, runs_
     runs = {}
     real = dec._timed_run
 
-    def counted(key):
-        run = real(key)
+    def counted(key, length):
+        run = real(key, length)
         return lambda: (runs.__setitem__(key, runs.get(key, 0) + 1), run())[1]
     monkeypatch.setattr(dec, "_timed_run", counted)
     out = dec.generate(PROMPTS[:1], 6)
     assert out[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 6)
-    lengths = 2 if step_times_mod._platform.use_triton(dec.device) else 1  # where attention follows the length
+    lengths = 2 if step_times_mod._platform.use_triton(dec.device) or dec.span_steps else 1  # it follows the length
     host_runs = 2 * step_times_mod.HOST_REPLAYS * 3 if budget == float("inf") else 0  # read + sync, x 3
     assert runs == {(True, 1, 1): lengths * runs_per_key + host_runs, (True, 1, 2): lengths * runs_per_key}, runs
     assert dec.host_times[(True, 1)] >= 0

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import ARCHS, assert_every_count, hf_greedy, make_checkpoint, perturbed_copy
+from helpers import ARCHS, assert_every_count, hf_greedy, make_checkpoint, nan_past, perturbed_copy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 
@@ -222,14 +222,7 @@ def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monke
     Control: a prefill over the whole caches reads the NaNs (masked, 0 * NaN) and fails each request."""
     import spec_graph.engine as engine_mod
 
-    def nan_past_the_bucket(self, slots):
-        for kc, vc in (self.target_kv, self.draft_kv):
-            kc[:, slots] = 0
-            vc[:, slots] = 0
-            kc[:, slots, :, 16:] = float("nan")
-            vc[:, slots, :, 16:] = float("nan")
-
-    monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past_the_bucket)
+    monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past(16))
     if whole_caches:
         monkeypatch.setattr(engine_mod.SpecDecoder, "_prefill_forward", _prefill_over_the_whole_caches)
     target, draft = llama_pair
@@ -238,6 +231,26 @@ def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monke
     firsts = [r.token_ids for r in out]
     assert max(len(p) for p in PROMPTS) <= 16
     assert (firsts == [ref[:1] for ref in references]) == (not whole_caches), firsts
+
+
+@pytest.mark.parametrize("span,steps_per_graph", [(True, 1), (True, 3), (False, 1)])
+def test_eager_steps_read_their_span_alone(llama_pair, references, monkeypatch, span, steps_per_graph):
+    """An eager step (CPU) reads the caches up to its rows' lengths plus what its replay can write, not all of
+    max_len, so its work follows the context: with every position past 128 NaN in each slot, each prompt's 20
+    tokens are still HF's (spans stay below 64), one step or three per replay. Control: the same engine reading
+    the whole caches meets the NaNs (masked, 0 * NaN) and fails every request."""
+    import spec_graph.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past(128))
+    target, draft = llama_pair
+    dec = decoder(target, draft, 3, max_len=1024, max_batch_size=8, device="cpu", steps_per_graph=steps_per_graph)
+    assert dec.span_steps  # eager on a CPU
+    dec.span_steps = span
+    out = dec.generate(PROMPTS, max_new_tokens=20)
+    if span:
+        assert [r.token_ids for r in out] == references
+    else:
+        assert {r.finish_reason for r in out} == {"error"}, [r.finish_reason for r in out]
 
 
 # ---------------------------------------------------------------- bad input

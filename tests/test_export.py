@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_every_count, hf_greedy
+from helpers import assert_every_count, hf_greedy, nan_past
 
 from spec_graph import SpecDecoder, SpecGraphConfig, __version__
 from spec_graph.cli import main
@@ -194,13 +194,7 @@ def test_exported_prefill_reads_its_own_positions(exported, reference, monkeypat
     under a mask, reads the same NaNs (0 * NaN) and fails every request that takes a step."""
     import spec_graph.export as export_mod
 
-    def nan_past_the_bucket(self, slots):
-        for kc, vc in (self.target_kv, self.draft_kv):
-            for c in (kc, vc):
-                c[:, slots] = 0
-                c[:, slots, :, 16:] = float("nan")
-
-    monkeypatch.setattr(export_mod.ExportedRunner, "_zero_slots", nan_past_the_bucket)
+    monkeypatch.setattr(export_mod.ExportedRunner, "_zero_slots", nan_past(16))
     out = load_exported(exported[0]).generate(PROMPTS, max_new_tokens=new_tokens)
     assert max(len(p) for p in PROMPTS) <= 16
     if new_tokens == 1:
