@@ -23,8 +23,9 @@ the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
 EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts
 come from the device in the one read the engine makes per replay anyway, so
 choosing costs no host sync; and the engine chooses while the replay before
-runs (``ChoiceAhead``), so the choice costs the replays no time either. Nothing here is random: under a seed (and a
-fixed time table) the choices, and so the tokens, repeat.
+runs (``ChoiceAhead``), so the choice costs the replays no time either.
+Nothing here is random: under a seed (and a fixed time table) the choices,
+and so the tokens, repeat.
 """
 from __future__ import annotations
 

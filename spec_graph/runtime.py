@@ -485,17 +485,15 @@ class DecoderBase(StepTimes):
                 slot_ks[s] += [K] * N
             if chooser:
                 chooser.ahead(K, N, {s: live[s] for s in busy})  # while the replay runs
-                # the one host read per replay: which rows are active, their lengths, the chooser's counts
+            if chooser or self.span_steps:
+                # the one host read per replay: which rows are active, their lengths (the chooser's step times
+                # and the next eager span follow them), the chooser's counts
                 read = self._read_after_replay(B)
                 active = read[:B]
                 for s in busy:
                     live[s] = read[B + s]
-                chooser.seen(read[2 * B:], {s: live[s] for s in busy})  # rows [0, B)'s counters
-            elif self.span_steps:  # the one host read per replay, with the lengths that bound the next span
-                read = torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B])).tolist()
-                active = read[:B]
-                for s in busy:
-                    live[s] = read[B + s]
+                if chooser:
+                    chooser.seen(read[2 * B:], {s: live[s] for s in busy})  # rows [0, B)'s counters
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
             done = [s for s in busy if not active[s]]

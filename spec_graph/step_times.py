@@ -123,8 +123,8 @@ class StepTimes:
         return self._steps_fn(*key, length)
 
     def _read_after_replay(self, B: int) -> list[int]:
-        """The one host read per replay of an adaptive engine: rows [0, B)'s active flags and lengths, then the
-        chooser's counts."""
+        """The one host read per replay of an adaptive engine, or of one whose eager steps read a span: rows
+        [0, B)'s active flags and lengths, then the chooser's counts."""
         return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B],
                           self.k_counts[:B].flatten())).tolist()
 
