@@ -110,6 +110,24 @@ def test_error_unsupported_architecture(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("act, ok", [("silu", True), ("swish", True), (None, True), ("gelu", False),
+                                     ("gelu_pytorch_tanh", False), ("relu", False)])
+def test_only_the_silu_mlp_is_accepted(tmp_path, act, ok):
+    """The MLP computes SiLU(gate) * up: a checkpoint with another activation would load and give wrong tokens."""
+    path = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    if act is None:
+        cfg.pop("hidden_act", None)
+    else:
+        cfg["hidden_act"] = act
+    (path / "config.json").write_text(json.dumps(cfg))
+    if ok:
+        assert load_model(path).args.hidden_size == cfg["hidden_size"]
+    else:
+        with pytest.raises(ValueError, match=f"'hidden_act' is '{act}'.*supports 'silu' and 'swish' only"):
+            load_model(path)
+
+
 def test_error_missing_weights(tmp_path):
     path = make_checkpoint(tmp_path / "m")
     (path / "model.safetensors").unlink()

@@ -363,7 +363,8 @@ def test_swap_works_in_either_import_order(order):
 
 def test_entry_point_loads_the_plugin_in_a_fresh_process(models):
     """No explicit register(): vLLM's plugin loader finds spec-graph's entry point and the flag takes effect
-    (vLLM's own drafting raises there, as with spec_graph_drafts_only)."""
+    (vLLM's own drafting raises there, as with spec_graph_drafts_only); the start-up line that names the drafter
+    reaches vLLM's log output in an offline LLM too."""
     target, draft = models
     code = textwrap.dedent(f"""
         from importlib.metadata import entry_points
@@ -391,6 +392,7 @@ def test_entry_point_loads_the_plugin_in_a_fresh_process(models):
     name, toks = r.stdout.strip().splitlines()[-1].split(" ", 1)
     assert name == "SpecGraphProposer"
     assert eval(toks) == hf_greedy(target, [5, 6, 7], 6, eos=1)
+    assert f"spec-graph: drafting with SpecGraphProposer: draft {draft} (LlamaForCausalLM), K=2" in r.stdout + r.stderr
 
 
 # --------------------------------------------------------- engines, end to end

@@ -21,9 +21,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
 )
+# The MLP's activation (Hugging Face's ACT2FN names for SiLU); anything else would give wrong tokens.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # What Hugging Face's Llama config assumes when config.json states no max_position_embeddings.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class UnsupportedModelError(ValueError):
+    """A well-formed config.json that describes a model spec-graph does not implement (its architecture, MLP
+    activation or rope type); vLLM's drafter falls back to its own on it."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,14 @@ class ModelArgs:
                              f"[\"LlamaForCausalLM\"], got {archs!r}")
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"unsupported architecture {arch!r} in {where}; spec-graph supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        act = cfg.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"{where}: field 'hidden_act' is {act!r}; spec-graph's MLP computes "
+                                        f"SiLU(gate) * up, so it supports {' and '.join(map(repr, SUPPORTED_ACTIVATIONS))} only")
         get_int = lambda name, **kw: _int_field(cfg, name, where, **kw)  # noqa: E731
         hidden = get_int("hidden_size")
         heads = get_int("num_attention_heads")
@@ -188,7 +199,8 @@ def _rope(cfg: dict, where: str) -> tuple[float, dict | None]:
     if rope_type in (None, "default"):
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"{where}: rope type {rope_type!r} (field {src!r}) is not supported (default and llama3 are)")
+        raise UnsupportedModelError(f"{where}: rope type {rope_type!r} (field {src!r}) is not supported (default and "
+                                    f"llama3 are)")
     missing = [k for k in LLAMA3_ROPE_FIELDS if rope.get(k) is None]
     if missing:
         raise ValueError(f"{where}: field {src!r} (llama3) lacks {', '.join(map(repr, missing))}; a llama3 rope "

@@ -98,7 +98,7 @@ def register() -> None:
     if _state["registered"]:
         return
     _state["registered"] = True
-    _use_vllm_log_handlers()
+    use_vllm_log_handlers()
     _patch_config()
     _patch_when_imported(_RunnerImportHook)
     from . import ascend
@@ -107,9 +107,10 @@ def register() -> None:
         _patch_when_imported(_AscendImportHook)
 
 
-def _use_vllm_log_handlers() -> None:
+def use_vllm_log_handlers() -> None:
     """Print spec-graph's log lines where vLLM prints its own (vLLM configures only its "vllm" logger), so that
-    a server's start-up says which drafter serves it."""
+    a server's start-up says which drafter serves it. Called again before those lines: vLLM may configure its
+    logger after the plugin registered."""
     vllm_log = logging.getLogger("vllm")
     if log.handlers or not vllm_log.handlers:
         return

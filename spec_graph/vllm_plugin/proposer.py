@@ -41,8 +41,9 @@ import torch
 from .. import platform as _platform
 from ..capture import GraphSet
 from ..config import cache_length, kv_fit
-from ..models import load_model, read_config
+from ..models import UnsupportedModelError, load_model, read_config
 from ..models.llama import DECODE_ATTENTION_ROWS, kv_cache_bytes
+from . import use_vllm_log_handlers
 from .config import parse
 from .kernels import count_valid
 
@@ -390,10 +391,9 @@ class VllmAdapter:
         path = self.draft_model_config.model
         try:
             _, args = read_config(path)
-        except ValueError as e:
-            if "unsupported architecture" not in str(e):
-                raise
+        except UnsupportedModelError as e:
             if not _warned_fallback:
+                use_vllm_log_handlers()
                 log.warning("spec-graph: %s; drafting with vLLM's own DraftModelProposer instead", e)
                 _warned_fallback = True
             self.fallback = True
@@ -427,6 +427,7 @@ class VllmAdapter:
                               compile_chain=compiles)
         how = ("captured graphs" if self.core.platform.supports_graphs else
                "a compiled chain" if self.core.compile_chain else "eager forwards")
+        use_vllm_log_handlers()  # an offline LLM configures vLLM's log output after the plugin registered
         log.info("spec-graph: drafting with SpecGraphProposer: draft %s (%s), K=%d, batch buckets %s, %s on %s",
                  path, args.architecture, K, list(self.core.buckets), how, self.device)
 
