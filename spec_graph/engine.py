@@ -17,6 +17,7 @@ from . import platform
 from .adaptive import count_acceptance
 from .config import SpecGraphConfig, beyond_window_warning, check_device, kv_fit
 from .models import load_model, parse_dtype, read_config
+from .models.config import pair_window, window_source
 from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
 from .runtime import (WRITEBACK, DecoderBase, GenerationOutput, GenerationResult, GenerationStats,  # noqa: F401
@@ -106,11 +107,14 @@ class SpecDecoder(DecoderBase):
         device = target.model.embed_tokens.weight.device
         plat = plat or platform.get(device)
         # The pair's window: the default max_len is lowered to it; one chosen above it is kept, with a warning.
-        self.window = min(target.args.max_position_embeddings, draft.args.max_position_embeddings)
+        self.window = pair_window(target.args, draft.args)
+        self.window_source = window_source(target.args, draft.args, getattr(target, "checkpoint_dir", None),
+                                           getattr(draft, "checkpoint_dir", None))
         if config.max_len > self.window:
             if getattr(config, "max_len_given", True):
                 scaled = target.args.rope_scaling or draft.args.rope_scaling
-                log.warning("spec-graph: %s", beyond_window_warning(config.max_len, self.window, scaled))
+                log.warning("spec-graph: %s", beyond_window_warning(config.max_len, self.window, scaled,
+                                                                    self.window_source))
             else:
                 config = dataclasses.replace(config, max_len=self.window)
         _check_kv_memory(config, (target, draft), plat)

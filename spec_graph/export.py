@@ -415,6 +415,9 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
 def read_metadata(path) -> dict:
     """The metadata of an export, after checking that it is one, intact, and built by this torch."""
     path = Path(path)
+    if path.is_dir():
+        raise ExportError(f"{path} is a directory, not a package written by `spec-graph export`: pass the .pt2 "
+                          "file, or run a checkpoint pair with --target and --draft")
     if not path.is_file():
         raise ExportError(f"{path} does not exist or is not a file")
     with open(path, "rb") as f:
@@ -566,8 +569,9 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         raise ExportError(f"max_batch_size (--max-batch-size) must be a positive integer (request slots, at most "
                           f"{sizes[-1]} for this export), got {S!r}")
     if S > sizes[-1]:
-        raise ExportError(f"batch of {S} requests is over the largest exported batch size {sizes[-1]} (exported "
-                          f"batch sizes: {', '.join(map(str, sizes))}); export again with larger --batch-sizes")
+        raise ExportError(f"max_batch_size (--max-batch-size) {S} is over the largest exported batch size "
+                          f"{sizes[-1]} (exported batch sizes: {', '.join(map(str, sizes))}); export again with "
+                          "larger --batch-sizes")
     cfg = SpecGraphConfig(num_speculative_tokens=meta["num_speculative_tokens"], max_batch_size=int(S),
                           max_len=meta["max_len"], dtype=meta["dtype"], device=built, batch_buckets=tuple(sizes),
                           enable_graph=enable_graph, steps_per_graph=steps_per_graph)

@@ -10,6 +10,7 @@ This module imports none of the model code.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 import random
@@ -24,13 +25,12 @@ import torch
 
 from .adaptive import ChoiceAhead, KChooser
 from .capture import GraphSet
-from .config import SpecGraphConfig, check_window
+from .config import WINDOW_SOURCE, SpecGraphConfig, check_text, check_window
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
 from .step_times import StepTimes
 
-_SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
 MAX_STOP_IDS = 64
 # Prefills of at most this many positions (rows x padded length) replay a graph: short ones are bound by
 # kernel launches on the host, long ones by the device.
@@ -116,6 +116,7 @@ class DecoderBase(StepTimes):
     # Positions the models were built for (max_position_embeddings), None when unknown; a subclass sets it.
     # Requests past it are refused unless max_len was chosen above it (with a warning).
     window: int | None = None
+    window_source: str = WINDOW_SOURCE  # where errors say the window comes from
 
     def __init__(self, config: SpecGraphConfig, vocab_size: int, device: torch.device, plat, tokenizer=None,
                  eos_token_ids=(), use_graphs: bool = False, rows: int | None = None):
@@ -192,7 +193,9 @@ class DecoderBase(StepTimes):
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise ValueError("the target checkpoint has no tokenizer.json: pass prompts as token-id lists")
+                    raise ValueError("the target checkpoint has no tokenizer.json: pass prompts as token-id lists "
+                                     "(--prompt-ids on the command line)")
+                check_text(p, f"prompt {i}")
                 ids = self.tokenizer.encode(p).ids
             elif isinstance(p, Sequence) and not isinstance(p, bytes) and all(_is_int(t) for t in p):
                 ids = [int(t) for t in p]
@@ -205,7 +208,7 @@ class DecoderBase(StepTimes):
                 raise ValueError(f"prompt {i} has token ids out of range [0, {self.vocab_size}): {bad[:5]}")
             if len(ids) + max_new_tokens > self.config.max_len and self.window is not None \
                     and self.config.max_len <= self.window:  # (a max_len above the window was asked for)
-                check_window(len(ids), max_new_tokens, self.window, what=f"prompt {i}",
+                check_window(len(ids), max_new_tokens, self.window, what=f"prompt {i}", source=self.window_source,
                              fix="shorten the prompt or lower max_new_tokens (an explicit max_len above the window, "
                                  "SpecGraphConfig.max_len / --max-len, runs past it with a warning)")
             if len(ids) + max_new_tokens > self.config.max_len:
@@ -307,9 +310,13 @@ class DecoderBase(StepTimes):
         position a step writes (up to length - 1 + K) and reads, after the replay's earlier steps."""
         return min(longest + (self.config.steps_per_graph + 1) * (K + 2), self.cache_len)
 
-    def _capture(self, greedy: bool) -> None:
+    def _capture(self, greedy: bool, rows: int) -> None:
         """Capture every (bucket, K) N-step graph, while no row is active (warm-up runs for real); with "auto",
-        time each one. Without graphs, "auto" still times each (bucket, K) step, uncaptured."""
+        time each one. Without graphs, "auto" times the uncaptured steps of the buckets a call of `rows` requests
+        can use, when a call first needs them (eager steps on a CPU take long to time)."""
+        if self.config.adaptive and self.graphs is None:
+            with torch.inference_mode():
+                self._time_steps(greedy, upto=self.config.bucket_for(min(rows, self.rows)))
         if greedy in self._captured_modes:
             return
         plat = self.platform
@@ -328,7 +335,7 @@ class DecoderBase(StepTimes):
                     rep["memory_bytes"] = (rep["memory_bytes"] or 0) + mem1 - mem0
                 log.info("spec-graph: K=%d graphs (%s steps) built in %.1fs%s", K, "greedy" if greedy else "sampling",
                          time.perf_counter() - t0, "" if mem0 is None else f", pool +{(mem1 - mem0) / 2**20:.1f} MiB")
-            if self.config.adaptive:
+            if self.config.adaptive and self.graphs is not None:
                 self._time_steps(greedy)
         self._captured_modes.add(greedy)
 
@@ -409,8 +416,8 @@ class DecoderBase(StepTimes):
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
         stop_ids = self.stop_buf
-        self._capture(params.greedy)
-        req_seeds = [(seed * _SEED_MIX[0] + (i + 1) * _SEED_MIX[1]) % (1 << 63) for i in range(len(encoded))]
+        self._capture(params.greedy, len(encoded))
+        req_seeds = [request_seed(seed, i) for i in range(len(encoded))]
 
         S = self.config.max_batch_size
         pending = deque(range(len(encoded)))
@@ -529,6 +536,13 @@ class DecoderBase(StepTimes):
             request_steps=request_steps,
             k_per_step=k_per_step,
         )
+
+
+def request_seed(seed: int, i: int) -> int:
+    """Request i's 63-bit seed from the call's seed: a hash of both, so that any two integer seeds (negative or
+    past 2**64 too) give different draws."""
+    digest = hashlib.blake2b(f"{int(seed)}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _is_int(v) -> bool:

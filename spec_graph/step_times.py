@@ -33,12 +33,12 @@ class StepTimes:
     {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
     set beforehand are kept (``_timed`` holds the keys measured here)."""
 
-    def _time_steps(self, greedy: bool, repeats: int = 3) -> None:
+    def _time_steps(self, greedy: bool, repeats: int = 3, upto: int | None = None) -> None:
         """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
         rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
         at two lengths (one where attention covers the whole cache anyway), then the state is put back (no
         request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
-        Fixed from here on: the chooser stays deterministic."""
+        Fixed from here on: the chooser stays deterministic. `upto`: the buckets up to it alone."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
         lo = 16
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
@@ -48,6 +48,8 @@ class StepTimes:
         snap = {k: v.clone() for k, v in st.items()}
         try:
             for b in self._buckets():
+                if upto is not None and b > upto:
+                    continue
                 for K in self.k_choices:
                     key = (greedy, b, K)
                     if key in self.step_times:

@@ -428,11 +428,17 @@ def test_auto_captured_n_steps_per_replay(llama_pair):
 
 
 def test_auto_measures_step_times_once(llama_pair):
-    """Each (bucket, K) is timed once, at two live lengths, into (base, per position) seconds."""
+    """Each (bucket, K) is timed once, at two live lengths, into (base, per position) seconds. Without graphs
+    a bucket is timed when a call can first use it (a one-prompt call times bucket 1 alone)."""
     dec = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(num_speculative_tokens="auto",
                                                                    max_speculative_tokens=3, max_len=64,
                                                                    max_batch_size=2, batch_buckets=(1, 2)))
+    one = dec.generate(PROMPTS[:1], 8)
+    assert one[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 8)
+    assert {b for _, b, _ in dec.step_times} == ({1} if dec.graphs is None else {1, 2})
+    before = dict(dec.step_times)
     out = dec.generate(PROMPTS[:2], 8)
+    assert all(dec.step_times[k] == v for k, v in before.items())  # bucket 1's times stay as measured
     # timing ran the steps with every row active, then put the state back: the requests are untouched
     assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 8) for p in PROMPTS[:2]]
     table, host = dict(dec.step_times), dict(dec.host_times)
@@ -546,6 +552,10 @@ def test_cli_k_auto(llama_pair):
     assert len(stats["acceptance_rate_per_position"]) == 3
     r = _cli(*base, "-k", "auto", "--quiet")
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    # sampled under a seed, the Ks follow this process's step times: the user is told; a fixed K is not warned
+    for k, warned in (("auto", True), ("3", False)):
+        r = _cli(*base, "-k", k, "--quiet", "--temperature", "0.8", "--seed", "1")
+        assert r.returncode == 0 and ("repeats from run to run" in r.stderr) == warned, r.stderr
     for bad, msg in ((["-k", "fast"], "integer 1..16 or 'auto'"),
                      (["-k", "3", "--max-speculative-tokens", "4"], "add -k auto")):
         r = _cli(*base, *bad)

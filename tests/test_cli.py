@@ -97,6 +97,10 @@ def test_explicit_pair(capsys, llama_pair):
     (["generate", "--prompt", "x", "--target", "/no/such/dir", "--draft", "/no/such/dir", "--top-k", "-1"],
      "top_k"),  # refused before any checkpoint is read
     (["generate", "--prompt-ids", ",".join(["65"] * 5000)], "5064 positions, past the model's window of 1024"),
+    (["generate", "--prompt-ids", "65,,66"], "comma-separated integers, got '65,,66'"),
+    (["generate", "--prompt-ids", "65,66,"], "comma-separated integers"),
+    (["generate", "--prompt", "\udcff\udcfe"], "prompt 0 (--prompt) is not valid UTF-8 text"),
+    (["generate", "--prompt-ids", "1", "--exported", "spec_graph"], "is a directory, not a package"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     from spec_graph import platform

@@ -312,6 +312,8 @@ def test_error_not_an_export(tmp_path, exported):
         load_exported(other)
     with pytest.raises(ExportError, match="not a spec-graph export"):
         load_exported(_rewrite(exported[0], tmp_path / "marker.pt2", format="something-else"))
+    with pytest.raises(ExportError, match="is a directory, not a package written by `spec-graph export`.*--target"):
+        load_exported(tmp_path)  # a checkpoint directory passed as --exported
 
 
 def test_error_truncated_or_corrupt(tmp_path, exported):
@@ -339,7 +341,8 @@ def test_error_other_torch_version(tmp_path, exported):
 
 
 def test_error_batch_over_the_largest_size(exported, capsys):
-    with pytest.raises(ExportError, match=r"largest exported batch size 2 \(exported batch sizes: 1, 2\)"):
+    with pytest.raises(ExportError, match=r"max_batch_size \(--max-batch-size\) 3 is over the largest exported "
+                                          r"batch size 2 \(exported batch sizes: 1, 2\)"):
         load_exported(exported[0], max_batch_size=3)
     assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5", "--max-batch-size", "3"]) == 2
     assert "exported batch sizes: 1, 2" in capsys.readouterr().err

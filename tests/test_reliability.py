@@ -17,7 +17,7 @@ from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.config import beyond_window_warning, check_window
 from spec_graph.kernels import PLACEHOLDER, race_sample
 from spec_graph.models import load_model, read_config
-from spec_graph.models.config import pair_window
+from spec_graph.models.config import pair_window, window_source
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 70], [3]]
 
@@ -83,8 +83,17 @@ def test_default_max_len_stops_at_the_window(short_pair, caplog):
     assert dec.window == 48 and dec.config.max_len == 48
     assert not [r for r in caplog.records if "window" in r.getMessage()]  # the default warns about nothing
     assert len(dec.generate([[1] * 40], 8)[0].token_ids) == 8  # 48 positions: fits
-    with pytest.raises(ValueError, match=r"needs 60 positions, past the model's window of 48"):
+    with pytest.raises(ValueError, match=r"needs 60 positions, past the model's window of 48") as e:
         dec.generate([[1] * 40], 20)
+    # the model that sets the window is named (the target's config.json says 512)
+    assert f"the draft's max_position_embeddings in {short_pair[1]}/config.json" in str(e.value)
+
+
+def test_window_source_names_the_smaller_model(short_pair):
+    t, d = (read_config(p)[1] for p in short_pair)
+    assert window_source(t, d, "T", "D") == "the draft's max_position_embeddings in D/config.json"
+    assert window_source(d, t, "T", "D") == "the target's max_position_embeddings in T/config.json"
+    assert window_source(t, t) == "max_position_embeddings in both models' config.json"
 
 
 def test_explicit_max_len_past_the_window_warns_and_runs(short_pair, caplog):
@@ -92,6 +101,7 @@ def test_explicit_max_len_past_the_window_warns_and_runs(short_pair, caplog):
         dec = _decoder(*short_pair, max_len=100)
     msgs = [r.getMessage() for r in caplog.records if r.name == "spec_graph"]
     assert len(msgs) == 1 and "max_len=100 is past the model's window of 48" in msgs[0]
+    assert f"the draft's max_position_embeddings in {short_pair[1]}/config.json" in msgs[0]
     assert "no rope scaling" in msgs[0]
     assert len(dec.generate([[1] * 40], 20)[0].token_ids) == 20  # asked for: runs past the window
     with pytest.raises(ValueError, match="max_len=100"):  # max_len still bounds the request
@@ -152,6 +162,20 @@ def test_edge_arguments_are_accepted(dec):
     assert all(len(r.token_ids) == 3 or r.finish_reason == "stop" for r in out)
     out = dec.generate([[1, 2]], 3, temperature=0, top_p=1e-9, seed=np.int64(7), stop_token_ids=[])
     assert len(out[0].token_ids) == 3 or out[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("a, b", [(0, 2 ** 63), (-1, 2 ** 64 - 1), (5, 5 + 2 ** 64)])
+def test_seeds_that_differ_draw_differently(dec, a, b):
+    """Any integer is a seed, and two different ones are two different streams (a seed reduced modulo 2**63 or
+    2**64 would repeat a smaller one); the same seed repeats (the control)."""
+    from spec_graph.runtime import request_seed
+
+    assert request_seed(a, 0) != request_seed(b, 0) and request_seed(a, 0) != request_seed(a, 1)
+    assert 0 <= request_seed(a, 0) < 2 ** 63
+    kw = dict(max_new_tokens=24, temperature=1.0)
+    toks = lambda s: dec.generate([[1, 2], [3]], seed=s, **kw)  # noqa: E731
+    assert [r.token_ids for r in toks(a)] == [r.token_ids for r in toks(a)]
+    assert [r.token_ids for r in toks(a)] != [r.token_ids for r in toks(b)]
 
 
 @pytest.mark.parametrize("kw", [dict(num_speculative_tokens=True), dict(max_batch_size=0), dict(max_batch_size=True),

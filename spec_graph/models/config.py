@@ -81,7 +81,8 @@ class ModelArgs:
         act = cfg.get("hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"{where}: field 'hidden_act' is {act!r}; spec-graph's MLP computes "
-                                        f"SiLU(gate) * up, so it supports {' and '.join(map(repr, SUPPORTED_ACTIVATIONS))} only")
+                                        f"SiLU(gate) * up, so it supports "
+                                        f"{' and '.join(map(repr, SUPPORTED_ACTIVATIONS))} only")
         get_int = lambda name, **kw: _int_field(cfg, name, where, **kw)  # noqa: E731
         hidden = get_int("hidden_size")
         heads = get_int("num_attention_heads")
@@ -217,3 +218,12 @@ def pair_window(*args: ModelArgs) -> int:
     """The window a pair shares: the smallest ``max_position_embeddings`` (rope scaling extends nothing: Hugging
     Face configs state the scaled window there)."""
     return min(a.window for a in args)
+
+
+def window_source(target: ModelArgs, draft: ModelArgs, target_dir=None, draft_dir=None) -> str:
+    """Where the pair's window comes from, for its errors: the model whose config.json sets it."""
+    def where(name, d):
+        return f"the {name}'s max_position_embeddings in " + (f"{d}/config.json" if d else "its config.json")
+    if target.window == draft.window:
+        return "max_position_embeddings in both models' config.json"
+    return where("target", target_dir) if target.window < draft.window else where("draft", draft_dir)

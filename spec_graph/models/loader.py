@@ -134,4 +134,5 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     model.load_state_dict(weights, assign=True)
     model.inv_freq = rope_inv_freq(args).to(device)
     model.linear_sync = new_sync(device)
+    model.checkpoint_dir = str(path)  # named in errors about its config
     return model.eval().requires_grad_(False)
