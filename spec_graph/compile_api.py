@@ -71,6 +71,20 @@ def _original(fn: Callable) -> Callable:
             return fn
 
 
+def _drop_earlier_compiles(fn: Callable) -> None:
+    """Forget what an earlier ``torch.compile`` of ``fn`` left on its code: Dynamo keys its cache by code and
+    guards, not by ``fullgraph``, so a split graph compiled before would run here with no error."""
+    fn = _original(fn)
+    code = getattr(getattr(fn, "forward", fn), "__code__", None)
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        if code is not None and _debug_get_cache_entry_list(code):
+            torch._dynamo.reset_code(code)
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without these helpers
+        pass
+
+
 class CompiledFunction:
     """What :func:`compile` returns: calls the ``torch.compile``'d function and turns Dynamo's graph-break
     errors into :class:`HostSyncError` (every sync point, found with ``torch._dynamo.explain``) and a
@@ -90,6 +104,9 @@ class CompiledFunction:
                 pass
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_fresh"):
+            _drop_earlier_compiles(self.fn)
+            self._fresh = True
         try:
             return self.compiled(*args, **kwargs)
         except HostSyncError:

@@ -152,14 +152,18 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON: dict = {}  # a plain cache: traced code calls this, and Dynamo warns about lru_cache wrappers
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+    if "ok" not in _TRITON:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _TRITON["ok"] = True
+        except Exception:
+            _TRITON["ok"] = False
+    return _TRITON["ok"]
 
 
 def use_triton(device: torch.device) -> bool:

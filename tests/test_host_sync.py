@@ -367,6 +367,16 @@ def test_split_function_warns_once(backend_calls, eager_compile_stage):
     assert "spec_graph.check" in str(w.message)
 
 
+def test_compile_raises_after_an_earlier_split_compile(backend_calls, eager_compile_stage):
+    """torch.compile of the function (which splits it, with the warning) first, then spec_graph.compile: Dynamo's
+    cache of the split graph, keyed by code and not by fullgraph, must not serve the fullgraph call."""
+    x = torch.ones(3)
+    assert len(_split_warnings(one_break, x)) == 1
+    with pytest.raises(HostSyncError) as info:
+        spec_graph.compile(one_break, options=CPU)(x)
+    assert located(info.value.findings) == expected(one_break)
+
+
 def test_clean_function_does_not_warn(backend_calls, eager_compile_stage):
     x = torch.ones(3)
     assert _split_warnings(no_break, x, -x) == []
