@@ -25,7 +25,7 @@ there compiles every K again per verification: left out by default; with --pin-i
 then run sampled in the auto token engine too, pinned, and the auto targets are checked at temperature 1 as
 well). Each engine first runs a 4-token generate per mode (its compile and capture, timed apart). Each
 workload then runs once untimed and once timed per seed 0..--repeats-1; tokens/s = generated tokens / wall
-time of a timed generate call (prefills included; the median call, with the spread (max - min) / median
+time of a timed generate call (prefills included, Python's garbage collector off; the median call, with the spread (max - min) / median
 beside it), tokens/step and the K histogram pooled over them. Runs on one engine (auto, its chooser
 variants, the pinned K) take turns seed by seed, so that a drift of the machine falls on all of them alike.
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import random
 import statistics
 import sys
@@ -156,9 +157,14 @@ def timed_call(dec: SpecDecoder, prompts, temperature: float, seed: int, a) -> t
     in other group sizes), then timed: (tokens/s, stats, ms per replay)."""
     gen = lambda: dec.generate(prompts, a.max_new_tokens, temperature=temperature, seed=seed)  # noqa: E731
     gen()
-    t0 = time.perf_counter()
-    stats = gen().stats
-    wall = time.perf_counter() - t0
+    gc.collect()  # as timeit does: no collection inside the timed call
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        stats = gen().stats
+        wall = time.perf_counter() - t0
+    finally:
+        gc.enable()
     return stats.generated_tokens / wall, stats, 1e3 * wall / max(stats.steps / a.steps_per_graph, 1)
 
 
