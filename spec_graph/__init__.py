@@ -10,6 +10,7 @@ _EXPORTS = {
     "load_exported": "export",
     "ExportedRunner": "export",
     "ExportError": "export",
+    "UnsupportedModelError": "models.config",
     "compile": "compile_api",
     "check": "compile_api",
     "HostSyncError": "passes.host_sync",

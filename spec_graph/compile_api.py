@@ -72,14 +72,21 @@ def _original(fn: Callable) -> Callable:
 
 
 def _drop_earlier_compiles(fn: Callable) -> None:
-    """Forget what an earlier ``torch.compile`` of ``fn`` left on its code: Dynamo keys its cache by code and
-    guards, not by ``fullgraph``, so a split graph compiled before would run here with no error."""
+    """Forget what an earlier ``torch.compile(fn, backend="spec_graph")`` left on fn's code: Dynamo keys its
+    cache by code, guards and backend, not by ``fullgraph``, so a split graph compiled before would run here
+    with no error. Entries of other backends cannot serve this call and are kept (a reset would recompile
+    them). Checked before the first call: a split compile made later, elsewhere, is not seen."""
+    from .backend import BACKEND_NAME, spec_graph_backend
+
     fn = _original(fn)
     code = getattr(getattr(fn, "forward", fn), "__code__", None)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        if code is not None and _debug_get_cache_entry_list(code):
+        entries = _debug_get_cache_entry_list(code) if code is not None else []
+        ours = [e for e in entries if getattr(e.backend, "compiler_name", None) == BACKEND_NAME
+                or getattr(e.backend, "compiler_fn", None) is spec_graph_backend]
+        if ours:
             torch._dynamo.reset_code(code)
     except (ImportError, AttributeError):  # pragma: no cover - a torch without these helpers
         pass

@@ -310,13 +310,14 @@ class DecoderBase(StepTimes):
         position a step writes (up to length - 1 + K) and reads, after the replay's earlier steps."""
         return min(longest + (self.config.steps_per_graph + 1) * (K + 2), self.cache_len)
 
-    def _capture(self, greedy: bool, rows: int) -> None:
+    def _capture(self, greedy: bool, rows: int | None = None) -> None:
         """Capture every (bucket, K) N-step graph, while no row is active (warm-up runs for real); with "auto",
         time each one. Without graphs, "auto" times the uncaptured steps of the buckets a call of `rows` requests
-        can use, when a call first needs them (eager steps on a CPU take long to time)."""
+        can use (None: every bucket), when a call first needs them (eager steps on a CPU take long to time)."""
         if self.config.adaptive and self.graphs is None:
-            with torch.inference_mode():
-                self._time_steps(greedy, upto=self.config.bucket_for(min(rows, self.rows)))
+            need = self.config.bucket_for(min(rows or self.rows, self.rows))
+            with torch.inference_mode():  # up to the bucket whose times a batch of `need` rows is priced with
+                self._time_steps(greedy, upto=min(b for b in self._buckets() if b >= need))
         if greedy in self._captured_modes:
             return
         plat = self.platform
@@ -541,7 +542,9 @@ class DecoderBase(StepTimes):
 def request_seed(seed: int, i: int) -> int:
     """Request i's 63-bit seed from the call's seed: a hash of both, so that any two integer seeds (negative or
     past 2**64 too) give different draws."""
-    digest = hashlib.blake2b(f"{int(seed)}:{i}".encode(), digest_size=8).digest()
+    seed = int(seed)
+    raw = seed.to_bytes(seed.bit_length() // 8 + 1, "little", signed=True) + i.to_bytes(8, "little")
+    digest = hashlib.blake2b(raw, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -457,6 +457,19 @@ def test_auto_measures_step_times_once(llama_pair):
     assert dec.step_times == {} and dec.host_times == {}  # measured again with the next graphs
 
 
+def test_a_call_times_the_bucket_its_batch_is_priced_with(llama_pair):
+    """Without graphs: three requests over buckets (1, 2) and 4 slots run at B=3, priced with bucket 4's times
+    (the measured bucket nearest above), so that call times buckets 1, 2 and 4; one request, bucket 1 alone."""
+    cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=2, max_len=64, max_batch_size=4,
+                          batch_buckets=(1, 2), enable_graph=False)
+    dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    dec.generate(PROMPTS[:1], 4)
+    assert {b for _, b, _ in dec.step_times} == {1}
+    out = dec.generate(PROMPTS[:3], 6)
+    assert {b for _, b, _ in dec.step_times} == {1, 2, 4}
+    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 6) for p in PROMPTS[:3]]
+
+
 @pytest.mark.parametrize("budget,runs_per_key", [(float("inf"), 4), (0.0, 2)])
 def test_long_steps_are_timed_fewer_times(llama_pair, monkeypatch, budget, runs_per_key):
     """Timing stops repeating a (bucket, K) step once its timed runs pass TIMING_BUDGET_S (eager steps over a

@@ -100,7 +100,7 @@ def test_explicit_pair(capsys, llama_pair):
     (["generate", "--prompt-ids", "65,,66"], "comma-separated integers, got '65,,66'"),
     (["generate", "--prompt-ids", "65,66,"], "comma-separated integers"),
     (["generate", "--prompt", "\udcff\udcfe"], "prompt 0 (--prompt) is not valid UTF-8 text"),
-    (["generate", "--prompt-ids", "1", "--exported", "spec_graph"], "is a directory, not a package"),
+    (["generate", "--prompt-ids", "1", "--exported", str(Path(__file__).parent)], "is a directory, not a package"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     from spec_graph import platform

@@ -377,6 +377,25 @@ def test_compile_raises_after_an_earlier_split_compile(backend_calls, eager_comp
     assert located(info.value.findings) == expected(one_break)
 
 
+def test_compile_keeps_other_backends_compiles(backend_calls, eager_compile_stage):
+    """A compile of the function by another backend cannot serve spec_graph.compile's call, so it is kept (a
+    reset would recompile it); the control: an earlier spec_graph-backend compile of it is dropped."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def names():
+        return sorted(getattr(e.backend, "compiler_name", "?") for e in _debug_get_cache_entry_list(no_break.__code__))
+    x = torch.ones(3)
+    torch.compile(no_break, backend="eager")(x)
+    spec_graph.compile(no_break, options=CPU)(x)
+    assert names() == ["eager", "spec_graph"]
+    torch._dynamo.reset()
+    torch.compile(no_break, backend="spec_graph", options=CPU)(x)
+    before = _debug_get_cache_entry_list(no_break.__code__)
+    spec_graph.compile(no_break, options=CPU)(x)
+    after = _debug_get_cache_entry_list(no_break.__code__)
+    assert names() == ["spec_graph"] and after[0] is not before[0]
+
+
 def test_clean_function_does_not_warn(backend_calls, eager_compile_stage):
     x = torch.ones(3)
     assert _split_warnings(no_break, x, -x) == []

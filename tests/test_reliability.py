@@ -171,7 +171,7 @@ def test_seeds_that_differ_draw_differently(dec, a, b):
     from spec_graph.runtime import request_seed
 
     assert request_seed(a, 0) != request_seed(b, 0) and request_seed(a, 0) != request_seed(a, 1)
-    assert 0 <= request_seed(a, 0) < 2 ** 63
+    assert 0 <= request_seed(a, 0) < 2 ** 63 and 0 <= request_seed(-(10 ** 5000), 0) < 2 ** 63  # past str()'s limit
     kw = dict(max_new_tokens=24, temperature=1.0)
     toks = lambda s: dec.generate([[1, 2], [3]], seed=s, **kw)  # noqa: E731
     assert [r.token_ids for r in toks(a)] == [r.token_ids for r in toks(a)]
