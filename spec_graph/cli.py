@@ -205,12 +205,11 @@ def _window_for(a, target: str, draft: str, prompts) -> int | None:
     from .models.config import pair_window, window_source
 
     targs, dargs = read_config(target)[1], read_config(draft)[1]
-    window = pair_window(targs, dargs)
+    window, source = pair_window(targs, dargs), window_source(targs, dargs, target, draft)
     if a.max_len is None:
         for i, p in enumerate(prompts):  # token ids are measured exactly, before any weights are read
             if not isinstance(p, str):
-                check_window(len(p), a.max_new_tokens, window, what=f"prompt {i}",
-                             source=window_source(targs, dargs, target, draft),
+                check_window(len(p), a.max_new_tokens, window, what=f"prompt {i}", source=source,
                              fix="shorten the prompt or lower --max-new-tokens (--max-len above the window runs "
                                  "past it, with a warning)")
         # text is at most one token per byte in the default tokenizer, +2 for special tokens

@@ -84,9 +84,8 @@ def _drop_earlier_compiles(fn: Callable) -> None:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
         entries = _debug_get_cache_entry_list(code) if code is not None else []
-        ours = [e for e in entries if getattr(e.backend, "compiler_name", None) == BACKEND_NAME
-                or getattr(e.backend, "compiler_fn", None) is spec_graph_backend]
-        if ours:
+        if any(getattr(e.backend, "compiler_name", None) == BACKEND_NAME
+               or getattr(e.backend, "compiler_fn", None) is spec_graph_backend for e in entries):
             torch._dynamo.reset_code(code)
     except (ImportError, AttributeError):  # pragma: no cover - a torch without these helpers
         pass

@@ -40,6 +40,11 @@ class StepTimes:
         request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
         Fixed from here on: the chooser stays deterministic. `upto`: the buckets up to it alone."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
+        # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
+        buckets = [b for b in self._buckets() if (upto is None or b <= upto)
+                   and any((greedy, b, K) not in self.step_times for K in self.k_choices)]
+        if not buckets:
+            return
         lo = 16
         hi = max(lo + 16, min(self.config.max_len // 2, TIME_LENGTH))
         # attention's work follows the live length where its kernel runs or an eager step reads a span (else it
@@ -47,9 +52,7 @@ class StepTimes:
         lengths = (lo, hi) if _platform.use_triton(self.device) or self.span_steps else (lo,)
         snap = {k: v.clone() for k, v in st.items()}
         try:
-            for b in self._buckets():
-                if upto is not None and b > upto:
-                    continue
+            for b in buckets:
                 for K in self.k_choices:
                     key = (greedy, b, K)
                     if key in self.step_times:

@@ -390,10 +390,9 @@ def test_compile_keeps_other_backends_compiles(backend_calls, eager_compile_stag
     assert names() == ["eager", "spec_graph"]
     torch._dynamo.reset()
     torch.compile(no_break, backend="spec_graph", options=CPU)(x)
-    before = _debug_get_cache_entry_list(no_break.__code__)
+    compiled = len(backend_calls)
     spec_graph.compile(no_break, options=CPU)(x)
-    after = _debug_get_cache_entry_list(no_break.__code__)
-    assert names() == ["spec_graph"] and after[0] is not before[0]
+    assert names() == ["spec_graph"] and len(backend_calls) == compiled + 1  # compiled again, not served
 
 
 def test_clean_function_does_not_warn(backend_calls, eager_compile_stage):
