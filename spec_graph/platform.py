@@ -152,9 +152,10 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_TRITON: dict = {}  # a plain cache: traced code calls this, and Dynamo warns about lru_cache wrappers
+_TRITON: dict = {}
 
 
+@torch.compiler.assume_constant_result  # traced code calls it: Dynamo takes its value and guards no cache
 def triton_available() -> bool:
     if "ok" not in _TRITON:
         try:

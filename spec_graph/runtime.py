@@ -221,8 +221,16 @@ class DecoderBase(StepTimes):
         return out
 
     # ------------------------------------------------------------------ prefill
+    def _reads_live_only(self) -> bool:
+        """Whether every forward attends to positions its request wrote and no others (a subclass says; the
+        prefill's kv_len and the live-length kernel do); if not, a slot's old contents are read, masked."""
+        return False
+
     def _zero_slots(self, slots: torch.Tensor) -> None:
-        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v.
+        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v. Zeroing
+        # a slot costs a pass over max_len positions of every layer, so only where old positions are read.
+        if self._reads_live_only():
+            return
         for kc, vc in (self.target_kv, self.draft_kv):
             kc[:, slots] = 0
             vc[:, slots] = 0

@@ -91,6 +91,36 @@ def test_captured_equals_eager_bf16(captured, eager_bf16):
     assert_every_count(out, 4)
 
 
+def test_slots_left_non_finite_need_no_zeroing(captured, eager_bf16):
+    """On the device every forward attends to its own request's positions alone (prefills to kv_len, steps
+    through the live-length kernel), so admission skips zeroing max_len positions per slot; caches full of NaN
+    (5 prompts over 4 slots: one slot is reused too) still give the eager tokens."""
+    assert captured._reads_live_only()
+    for kv in (captured.target_kv, captured.draft_kv):
+        for c in kv:
+            c.fill_(float("nan"))
+    out = captured.generate(PROMPTS, 48)
+    assert [r.token_ids for r in out] == eager_bf16
+
+
+def test_auto_k_engine_captures_in_a_fresh_process():
+    """A process whose first forward is traced (an auto-K engine times its steps before any prefill runs):
+    the device checks inside the models must trace as constants. torch 2.11 failed the capture ("Guard failed
+    on the same frame it was created") when the Triton check's cache was a guarded dict filled during the
+    trace, and the engine ran uncaptured."""
+    import subprocess
+    code = ("import logging, sys\nfrom spec_graph import SpecDecoder, SpecGraphConfig\n"
+            "from spec_graph.cli import DEFAULT_PAIR\nlogging.basicConfig(level=logging.WARNING)\n"
+            "cfg = SpecGraphConfig(num_speculative_tokens='auto', max_speculative_tokens=2, max_len=128, "
+            "dtype='bfloat16', max_batch_size=1, batch_buckets=(1,))\n"
+            "dec = SpecDecoder.from_pretrained(DEFAULT_PAIR / 'target', DEFAULT_PAIR / 'draft', cfg)\n"
+            "out = dec.generate([list(b'import ')], 8)\n"
+            "assert 1 <= len(out[0].token_ids) <= 8 and dec.graphs.graphs and not dec.graphs.failed, "
+            "(dec.graphs.graphs, dec.graphs.failed)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "capture of" not in r.stderr, r.stderr[-3000:]
+
+
 def test_multi_step_equals_single_step_captured(captured, eager_bf16):
     s1 = captured.generate(PROMPTS, 40, temperature=0.8, seed=3)
     captured.reset_graphs(steps_per_graph=8)

@@ -292,6 +292,24 @@ def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_pat
     assert not _is_prefix_of(r.token_ids[:-1] + [(r.token_ids[-1] + 1) % 96], ref)
 
 
+def test_a_slot_left_with_non_finite_values_serves_the_next_request(nan_setup, monkeypatch):
+    """Caches left full of NaN (by a request whose model overflowed): the next requests in those slots still
+    equal HF. This engine attends over whole slots under a mask (the torch path), so admission must zero the
+    slot; the control skips that and must be caught."""
+    root, target, draft, refs = nan_setup
+    dec = _decoder(target, draft, max_len=64, max_batch_size=2)
+    assert not dec._reads_live_only()
+    for kv in (dec.target_kv, dec.draft_kv):
+        for c in kv:
+            c.fill_(float("nan"))
+    assert [r.token_ids for r in dec.generate(PROMPTS, 12)] == refs
+    for kv in (dec.target_kv, dec.draft_kv):
+        for c in kv:
+            c.fill_(float("nan"))
+    monkeypatch.setattr(dec, "_reads_live_only", lambda: True)
+    assert [r.token_ids for r in dec.generate(PROMPTS, 12)] != refs
+
+
 def test_nan_draft_alone_does_not_end_the_request(nan_setup, tmp_path):
     """Greedy: with an all-NaN draft the output is still the target's greedy output, token for token; the same
     NaN in the target ends the request (the draft's NaN is not hidden by a NaN-free pair)."""
