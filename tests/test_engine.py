@@ -169,13 +169,16 @@ def test_max_new_tokens_is_exact(tmp_path, max_new):
     assert all(len(r.token_ids) == max_new and r.finish_reason == "length" for r in out)
 
 
-def test_stop_token_ids(llama_pair, references):
+@pytest.mark.parametrize("at", [0, 5])  # 0: the prefill's token is the stop
+def test_stop_token_ids(llama_pair, references, at):
     target, draft = llama_pair
     ref = references[0]
-    stop = ref[5]
-    out = decoder(target, draft, 3).generate([PROMPTS[0]], max_new_tokens=20, stop_token_ids=[stop])
+    stop = ref[at]
+    out = decoder(target, draft, 3).generate(PROMPTS[:2], max_new_tokens=20, stop_token_ids=[stop])
     assert out[0].token_ids == ref[: ref.index(stop) + 1]
     assert out[0].finish_reason == "stop"
+    other = references[1]
+    assert out[1].token_ids == other[: other.index(stop) + 1 if stop in other else 20]
 
 
 def test_text_prompts_use_target_tokenizer(llama_pair, tokenizer):

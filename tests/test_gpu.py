@@ -174,15 +174,16 @@ def test_export_bench_pair_loaded_and_captured(tmp_path):
     assert out == [r.token_ids for r in eager.generate(prompts, 48)]
 
 
-def test_captured_prefill_equals_eager_prefill():
+@pytest.mark.parametrize("n,T", [(2, 16), (8, 128)])  # (8, 128): a full batch of 8 admitted at once
+def test_captured_prefill_equals_eager_prefill(n, T):
     """A short prefill replays a graph per (rows, length), with each call's own inputs: the same logits and
     caches as the eager forward (the same kernels, recorded)."""
-    dec = pair_engine(max_batch_size=2)  # graphs on; the prefill needs no step compile
+    dec = pair_engine(max_batch_size=8, max_len=256)  # graphs on; the prefill needs no step compile
     assert dec.prefill_graphs is not None
     g = torch.Generator().manual_seed(0)
-    n, T = 2, 16
     pos = torch.arange(T, device=dec.device).expand(n, T)
-    slots, lens = torch.tensor([1, 0], device=dec.device), torch.tensor([T, 9], device=dec.device)
+    slots = torch.arange(n, device=dec.device).flip(0)
+    lens = torch.tensor([T] + [max(1, T // 2 + i) for i in range(n - 1)], device=dec.device)
     for _ in range(2):  # capture, then a replay with new inputs copied into the static ones
         toks = torch.randint(0, dec.vocab_size, (n, T), generator=g).to(dec.device)
         dec._zero_slots(slots)
