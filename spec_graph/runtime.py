@@ -453,8 +453,13 @@ class DecoderBase(StepTimes):
             if not slots:
                 return
             idx = torch.tensor(slots, device=self.device)
-            n_out, err, nsteps = (self.state[k][idx].tolist() for k in ("n_out", "error", "steps"))
-            outs, accs = self.out_buf[idx].tolist(), self.acc_log[idx].tolist()
+            st = self.state
+            # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot
+            rows = torch.cat((torch.stack((st["n_out"][idx], st["error"][idx].long(), st["steps"][idx]), 1),
+                              self.out_buf[idx], self.acc_log[idx]), 1).tolist()
+            L = self.out_buf.shape[1]
+            n_out, err, nsteps = ([r[i] for r in rows] for i in range(3))
+            outs, accs = [r[3: 3 + L] for r in rows], [r[3 + L:] for r in rows]
             for j, s in enumerate(slots):
                 r = owner[s]
                 toks = outs[j][: n_out[j]]
