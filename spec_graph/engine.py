@@ -159,9 +159,8 @@ class SpecDecoder(DecoderBase):
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
         T = toks.shape[1]  # positions [0, T): attention reads that much of the caches, not max_len
         with torch.inference_mode():
-            self.draft(toks, pos, *self.draft_kv, slots=slots, kv_len=T)
-            logits = self.target(toks, pos, *self.target_kv, slots=slots, kv_len=T)
-            return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
+            self.draft(toks, pos, *self.draft_kv, slots=slots, kv_len=T, logits_at=lens - 1)
+            return self.target(toks, pos, *self.target_kv, slots=slots, kv_len=T, logits_at=lens - 1)
 
     def _step_fn(self, greedy: bool, K: int | None = None):
         """The one-step function of K drafts (default: the largest) over static buffers: eager, or compiled by

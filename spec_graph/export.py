@@ -277,9 +277,9 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
     def prefill(*flat):
         wt, wd, (toks, pos, slots, lens, span, dk, dv, tk, tv) = _split_weights(flat, names_t, names_d)
         kv_len = span.shape[0]  # positions [0, T): attention reads that much of the caches, not max_len
-        fcall(draft, wd, (toks, pos, dk, dv), {"slots": slots, "kv_len": kv_len})
-        logits = fcall(target, wt, (toks, pos, tk, tv), {"slots": slots, "kv_len": kv_len})
-        return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
+        last = {"slots": slots, "kv_len": kv_len, "logits_at": lens - 1}
+        fcall(draft, wd, (toks, pos, dk, dv), last)
+        return fcall(target, wt, (toks, pos, tk, tv), last)
 
     def make_step(greedy: bool):
         def step(*flat):

@@ -238,3 +238,53 @@ print("OK")
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def _largest_tensor(fn):
+    """fn() and the most elements of any tensor an op made while it ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    Largest.n = max(Largest.n, t.numel())
+            return out
+
+    with Largest():
+        out = fn()
+    return out, Largest.n
+
+
+def test_long_prefill_makes_neither_scores_nor_logits_per_position(tmp_path, monkeypatch):
+    """A prefill of T >= PREFILL_SDPA_POSITIONS positions (each row's logits at its last prompt token) equals HF
+    and makes no tensor near [B, heads, T, T] (the matmul path's scores) or [B, T, V] (every position's logits):
+    at 32k positions those are 137 GB and, with a 128k vocabulary, 16 GiB. Control: the matmul path makes it."""
+    import spec_graph.models.llama as llama
+
+    path = make_checkpoint(tmp_path / "m", kv_heads=2, init_std=0.05, vocab_size=512)
+    model = load_model(path, "float32")
+    torch.manual_seed(0)
+    B, T, heads = 2, 256, model.args.num_heads
+    assert T >= llama.PREFILL_SDPA_POSITIONS
+    toks = torch.randint(0, 512, (B, T))
+    lens = torch.tensor([T, 200])
+    pos = torch.arange(T).expand(B, T)
+
+    def prefill():
+        return model(toks, pos, *model.new_kv_cache(3, 512), slots=torch.tensor([2, 0]), kv_len=T,
+                     logits_at=lens - 1)
+
+    logits, largest = _largest_tensor(prefill)
+    limit = B * heads * T * T // 2
+    assert largest < limit, largest
+    for b in range(B):
+        ref = _hf_logits(path, toks[b, : lens[b]].tolist())[-1]
+        torch.testing.assert_close(logits[b], ref, atol=2e-4, rtol=2e-4)
+    monkeypatch.setattr(llama, "PREFILL_SDPA_POSITIONS", 10 ** 9)
+    matmul_logits, largest = _largest_tensor(prefill)
+    assert largest >= limit
+    torch.testing.assert_close(matmul_logits, logits, atol=2e-4, rtol=2e-4)

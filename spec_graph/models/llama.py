@@ -31,6 +31,9 @@ from .config import ModelArgs
 # Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
 # decode and verify steps; a prefill's many rows take the matmul path.
 DECODE_ATTENTION_ROWS = 64
+# Prefills of at least this many positions attend through torch's fused attention (SDPA): the matmul path's
+# [B, heads, T, T] fp32 scores grow with the square of the prompt (137 GB at 32k positions and 32 heads).
+PREFILL_SDPA_POSITIONS = 128
 # Decode and verify forwards run each layer as four fused linear kernels (kernels/decode_linear.py) beside the
 # attention op, where that op runs and the rows fit; False keeps nn.Linear (benchmarks compare the two).
 FUSED_LAYERS = True
@@ -129,6 +132,11 @@ class Attention(nn.Module):
         mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
         if self.window:
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
+        if kv_len is not None and isinstance(T, int) and T >= PREFILL_SDPA_POSITIONS:
+            # a prefill (each query sees its own key): fused attention, with memory linear in the scores' rows
+            kh, vh = (t.repeat_interleave(g, dim=1) for t in (keys, values))  # query head h reads kv head h // g
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask[:, None])
+            return out.transpose(1, 2)
 
         # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
         qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4)
@@ -198,7 +206,8 @@ def kv_cache_bytes(args: ModelArgs, slots: int, cache_len: int, itemsize: int) -
 
 
 class Transformer(nn.Module):
-    """``forward(tokens [B,T], positions [B,T], k_cache, v_cache, slots=None) -> float32 logits [B,T,V]``.
+    """``forward(tokens [B,T], positions [B,T], k_cache, v_cache, slots=None) -> float32 logits [B,T,V]``, or
+    [B,V] at index ``logits_at[b]`` of each row's T positions (a prefill's last prompt token: its logits alone).
 
     Row ``b`` reads and writes cache slot ``slots[b]`` (slot ``b`` when ``slots`` is None). Keys at positions above
     a query's own are masked, so stale cache entries past a request's length
@@ -234,7 +243,7 @@ class Transformer(nn.Module):
         make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device)  # noqa: E731
         return make(), make()
 
-    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None):
+    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None):
         x = self.model.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
@@ -242,6 +251,11 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if logits_at is not None:
+            # the norm and head at one position per row: a long prompt's [B, T, V] fp32 logits would not fit
+            # (a 128k vocabulary at 32k positions is 16 GiB)
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at]
+            return F.linear(self.model.norm(x), w).float()
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
         if (fused and self.model.layers[0].self_attn.uses_decode_attention(x) and platform.use_fused_linear(x.device)
                 and fused_rows_ok(x)):

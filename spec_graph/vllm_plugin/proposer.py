@@ -170,8 +170,10 @@ class DraftCore:
             restart = p0 <= self.slot_last_pos0.get(slot, -1) or self.slot_last_step.get(slot) != self.step - 1
             if restart and p0 > 0:
                 toks = torch.from_numpy(np.asarray(token_ids[i, :p0]).astype(np.int64)).to(self.device)
+                # kv_len: attention reads the prefix alone, not max_len; logits_at: one row of logits, not p0
                 self.model(toks[None], torch.arange(p0, device=self.device)[None], self.k_cache, self.v_cache,
-                           torch.tensor([slot], device=self.device))
+                           torch.tensor([slot], device=self.device), kv_len=p0,
+                           logits_at=torch.tensor([p0 - 1], device=self.device))
             self.slot_last_pos0[slot] = p0
             self.slot_last_step[slot] = self.step
 
