@@ -288,3 +288,20 @@ def test_long_prefill_makes_neither_scores_nor_logits_per_position(tmp_path, mon
     matmul_logits, largest = _largest_tensor(prefill)
     assert largest >= limit
     torch.testing.assert_close(matmul_logits, logits, atol=2e-4, rtol=2e-4)
+
+
+def test_exported_prefill_of_any_length_attends_through_sdpa(tmp_path):
+    """An export's prefill has a symbolic length, so it cannot choose by length: it takes SDPA at every length
+    (the exported package serves prompts up to max_len)."""
+    model = load_model(make_checkpoint(tmp_path / "m", kv_heads=2), "float32")
+
+    class Prefill(torch.nn.Module):
+        def forward(self, toks, pos, span, lens, kc, vc):
+            return model(toks, pos, kc, vc, kv_len=span.shape[0], logits_at=lens - 1)
+
+    T = torch.export.Dim("T", min=2, max=63)
+    args = (torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], torch.arange(8), torch.tensor([8]),
+            *model.new_kv_cache(1, 64))
+    ep = torch.export.export(Prefill(), args, dynamic_shapes=({1: T}, {1: T}, {0: T}, None, None, None),
+                             strict=False)
+    assert any("scaled_dot_product" in str(n.target) for n in ep.graph.nodes)

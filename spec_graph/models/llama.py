@@ -132,8 +132,9 @@ class Attention(nn.Module):
         mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
         if self.window:
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
-        if kv_len is not None and isinstance(T, int) and T >= PREFILL_SDPA_POSITIONS:
-            # a prefill (each query sees its own key): fused attention, with memory linear in the scores' rows
+        if kv_len is not None and (not isinstance(T, int) or T >= PREFILL_SDPA_POSITIONS):
+            # a prefill (each query sees its own key; T symbolic: an export's, of any length): fused attention,
+            # with memory linear in the scores' rows
             kh, vh = (t.repeat_interleave(g, dim=1) for t in (keys, values))  # query head h reads kv head h // g
             out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask[:, None])
             return out.transpose(1, 2)
