@@ -242,8 +242,11 @@ class DecoderBase(StepTimes):
                  params: SamplingParams, stop_ids: torch.Tensor) -> None:
         dev, n = self.device, len(slots)
         T = max(len(p) for p in prompts)
-        # few distinct prefill shapes; below cache_len (prompts are shorter than max_len), as an export's span is
-        T = min(1 << (T - 1).bit_length(), self.cache_len - 1)
+        # Padded to a power of two where the prefill replays a graph (one per shape: few shapes); an eager one
+        # runs at its own length (a 6000-token prompt is not worth 8191 positions). Below cache_len (prompts are
+        # shorter than max_len), as an export's span is.
+        padded = min(1 << (T - 1).bit_length(), self.cache_len - 1)
+        T = padded if self._prefill_replays(n, padded) else T
         toks = torch.zeros(n, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             toks[i, : len(p)] = torch.tensor(p)
@@ -279,6 +282,10 @@ class DecoderBase(StepTimes):
         self.out_buf[slot_t, 0] = first
         self.acc_log[slot_t] = 0
 
+    def _prefill_replays(self, n: int, T: int) -> bool:
+        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly)."""
+        return self.prefill_graphs is not None and n * T <= PREFILL_GRAPH_TOKENS and T <= PREFILL_GRAPH_LEN
+
     def _prefill_logits(self, toks, pos, slots, lens) -> torch.Tensor:
         """The prefill forward, replayed from a graph per (rows, length) where that pays.
 
@@ -287,7 +294,7 @@ class DecoderBase(StepTimes):
         valid until the next prefill."""
         n, T = toks.shape
         graphs, key = self.prefill_graphs, (n, T)
-        if graphs is None or n * T > PREFILL_GRAPH_TOKENS or T > PREFILL_GRAPH_LEN or key in graphs.failed:
+        if not self._prefill_replays(n, T) or key in graphs.failed:
             return self._prefill_forward(toks, pos, slots, lens)
         static = self._prefill_inputs.get(key)
         if static is None:

@@ -373,3 +373,18 @@ def test_bad_request_does_not_disturb_the_next_call(llama_pair, references):
     with pytest.raises(ValueError):
         dec.generate([PROMPTS[0], []], 20)
     assert dec.generate([PROMPTS[0]], 20)[0].token_ids == references[0]
+
+
+def test_an_eager_prefill_runs_at_its_prompts_own_length(llama_pair, monkeypatch):
+    """Without prefill graphs (CPU) the prefill is not padded to a power of two: a long prompt would pay up to
+    2x its positions (4x its attention) for nothing. The tokens are HF's."""
+    target, draft = llama_pair
+    dec = decoder(target, draft, 3)
+    assert dec.prefill_graphs is None
+    seen = []
+    run = dec._prefill_forward
+    monkeypatch.setattr(dec, "_prefill_forward", lambda toks, *a: (seen.append(tuple(toks.shape)), run(toks, *a))[1])
+    prompts = [list(range(2, 35)), [3, 4, 5]]
+    out = dec.generate(prompts, 6)
+    assert seen == [(2, 33)]
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, 6) for p in prompts]
