@@ -150,8 +150,8 @@ class SpecDecoder(DecoderBase):
     def _reads_live_only(self) -> bool:
         # Prefills read [0, kv_len), all written by that prefill; steps of up to K + 2 positions attend through
         # the live-length kernel where both models take it (positions past a row's length are never loaded).
-        probe = torch.empty(1, self.K + 2, 0, device=self.device)
-        return all(m.model.layers[0].self_attn.uses_decode_attention(probe) for m in (self.target, self.draft))
+        return all(m.model.layers[0].self_attn.decode_attention_for(self.K + 2, self.device)
+                   for m in (self.target, self.draft))
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         return self.target.new_kv_cache(rows, cache_len), self.draft.new_kv_cache(rows, cache_len)

@@ -245,7 +245,7 @@ class DecoderBase(StepTimes):
         # Padded to a power of two where the prefill replays a graph (one per shape: few shapes); an eager one
         # runs at its own length (a 6000-token prompt is not worth 8191 positions). Below cache_len (prompts are
         # shorter than max_len), as an export's span is.
-        padded = min(1 << (T - 1).bit_length(), self.cache_len - 1)
+        padded = self._padded_length(T)
         T = padded if self._prefill_replays(n, padded) else T
         toks = torch.zeros(n, T, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -282,9 +282,14 @@ class DecoderBase(StepTimes):
         self.out_buf[slot_t, 0] = first
         self.acc_log[slot_t] = 0
 
+    def _padded_length(self, T: int) -> int:
+        return min(1 << (T - 1).bit_length(), self.cache_len - 1)
+
     def _prefill_replays(self, n: int, T: int) -> bool:
-        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly)."""
-        return self.prefill_graphs is not None and n * T <= PREFILL_GRAPH_TOKENS and T <= PREFILL_GRAPH_LEN
+        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly). Only padded lengths
+        do: an eager prefill at its own length (too many positions padded) keeps its shape off the graphs."""
+        return (self.prefill_graphs is not None and T == self._padded_length(T) and n * T <= PREFILL_GRAPH_TOKENS
+                and T <= PREFILL_GRAPH_LEN)
 
     def _prefill_logits(self, toks, pos, slots, lens) -> torch.Tensor:
         """The prefill forward, replayed from a graph per (rows, length) where that pays.

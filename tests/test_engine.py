@@ -388,3 +388,17 @@ def test_an_eager_prefill_runs_at_its_prompts_own_length(llama_pair, monkeypatch
     out = dec.generate(prompts, 6)
     assert seen == [(2, 33)]
     assert [r.token_ids for r in out] == [hf_greedy(target, p, 6) for p in prompts]
+
+
+def test_only_padded_prefill_shapes_replay_graphs(llama_pair, monkeypatch):
+    """3 prompts of 300 positions pad to 3 x 512, over the graphs' 1024 positions: they run eagerly at 3 x 300,
+    and that unpadded shape must not get a graph of its own (one per odd length), though 900 positions fit."""
+    import spec_graph.runtime as rt
+
+    target, draft = llama_pair
+    dec = decoder(target, draft, 3, max_len=1024)
+    monkeypatch.setattr(dec, "prefill_graphs", object())  # as on a device with graphs
+    assert rt.PREFILL_GRAPH_TOKENS == 1024 and rt.PREFILL_GRAPH_LEN == 512
+    assert not dec._prefill_replays(3, 512) and not dec._prefill_replays(3, 300)
+    assert dec._prefill_replays(3, 256) and dec._prefill_replays(1, 512) and dec._prefill_replays(8, 128)
+    assert not dec._prefill_replays(1, 1023) and not dec._prefill_replays(8, 100)

@@ -100,10 +100,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
     def uses_decode_attention(self, x) -> bool:
-        T = x.shape[1]
+        return self.decode_attention_for(x.shape[1], x.device)
+
+    def decode_attention_for(self, T, device) -> bool:
+        """Whether forwards of T positions per row on `device` attend through the live-length kernel."""
         # a symbolic T (an export's dynamic prefill length) takes the matmul path: no guard on T
         return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
-                and platform.use_triton(x.device))
+                and platform.use_triton(device))
 
     def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None):
         """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]. ``kv_len``: every

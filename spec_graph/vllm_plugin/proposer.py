@@ -42,7 +42,7 @@ from .. import platform as _platform
 from ..capture import GraphSet
 from ..config import cache_length, kv_fit
 from ..models import UnsupportedModelError, load_model, read_config
-from ..models.llama import DECODE_ATTENTION_ROWS, kv_cache_bytes
+from ..models.llama import kv_cache_bytes
 from . import use_vllm_log_handlers
 from .config import parse
 from .kernels import count_valid
@@ -99,9 +99,7 @@ class DraftCore:
         self._slot_tensor = (None, None)  # (slots, device tensor): steps with the same rows reuse it
         # Where decode attention runs the live-length kernel (its work follows each row's length, not the
         # cache's), static steps attend over the whole cache: one graph per padded batch, no cache spans.
-        attn = model.model.layers[0].self_attn
-        self.live_span = (_platform.use_triton(self.device) and attn.fused_decode
-                          and attn.n_heads // attn.n_kv * (self.K + 2) <= DECODE_ATTENTION_ROWS)
+        self.live_span = model.model.layers[0].self_attn.decode_attention_for(self.K + 2, self.device)
 
     # ------------------------------------------------------------------ slots
     def _release(self, live) -> None:
