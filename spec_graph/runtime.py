@@ -242,11 +242,13 @@ class DecoderBase(StepTimes):
                  params: SamplingParams, stop_ids: torch.Tensor) -> None:
         dev, n = self.device, len(slots)
         T = max(len(p) for p in prompts)
-        # Padded to a power of two where the prefill replays a graph (one per shape: few shapes); an eager one
-        # runs at its own length (a 6000-token prompt is not worth 8191 positions). Below cache_len (prompts are
-        # shorter than max_len), as an export's span is.
+        # Padded to a power of two where a prefill can replay a graph on this platform (one graph per shape: few
+        # shapes), whether or not this engine captures: an uncaptured engine on the device then runs the same
+        # shapes, so the same kernels and tokens, as a captured one. Elsewhere a prefill runs at its own length
+        # (a 6000-token prompt is not worth 8191 positions). Below cache_len (prompts are shorter than max_len),
+        # as an export's span is.
         padded = self._padded_length(T)
-        T = padded if self._prefill_replays(n, padded) else T
+        T = padded if self.capture_prefill and self.platform.supports_graphs and self._graph_shape(n, padded) else T
         toks = torch.zeros(n, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             toks[i, : len(p)] = torch.tensor(p)
@@ -285,11 +287,14 @@ class DecoderBase(StepTimes):
     def _padded_length(self, T: int) -> int:
         return min(1 << (T - 1).bit_length(), self.cache_len - 1)
 
+    def _graph_shape(self, n: int, T: int) -> bool:
+        """Whether a prefill of n rows of T positions has a shape that replays a graph. Only padded lengths do: an
+        eager prefill at its own length (too many positions padded) keeps its shape off the graphs."""
+        return T == self._padded_length(T) and n * T <= PREFILL_GRAPH_TOKENS and T <= PREFILL_GRAPH_LEN
+
     def _prefill_replays(self, n: int, T: int) -> bool:
-        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly). Only padded lengths
-        do: an eager prefill at its own length (too many positions padded) keeps its shape off the graphs."""
-        return (self.prefill_graphs is not None and T == self._padded_length(T) and n * T <= PREFILL_GRAPH_TOKENS
-                and T <= PREFILL_GRAPH_LEN)
+        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly)."""
+        return self.prefill_graphs is not None and self._graph_shape(n, T)
 
     def _prefill_logits(self, toks, pos, slots, lens) -> torch.Tensor:
         """The prefill forward, replayed from a graph per (rows, length) where that pays.

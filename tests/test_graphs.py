@@ -117,6 +117,27 @@ def test_multi_step_sampling_equals_single_step(llama_pair):
     assert [r.token_ids for r in one] == [r.token_ids for r in many]
 
 
+def test_an_uncaptured_engine_prefills_the_captured_shapes(llama_pair, eager_tokens, monkeypatch):
+    """On a platform with graphs, an engine that does not capture pads its prefills as one that does: the same
+    shapes run the same kernels, so in bf16 the two give the same tokens. (On CPU, without graphs, a prefill runs
+    at its own length: test_engine.py.)"""
+    def shapes_of(dec):
+        seen, run = [], dec._prefill_logits
+        monkeypatch.setattr(dec, "_prefill_logits", lambda toks, *a: (seen.append(tuple(toks.shape)), run(toks, *a))[1])
+        return seen
+
+    prompts = [list(range(2, 35)), [3, 4, 5], list(range(10, 30))]
+    runs = []
+    for graphs in (False, True):
+        dec = engine(llama_pair, plat=fake_platform(), compile_step=False, enable_graph=graphs, max_batch_size=2,
+                     batch_buckets=(1, 2))
+        assert (dec.prefill_graphs is not None) == graphs
+        seen = shapes_of(dec)
+        runs.append((seen, [r.token_ids for r in dec.generate(prompts, 6)]))
+    assert runs[0] == runs[1] and runs[0][0] == [(2, 64), (1, 32)]
+    assert runs[0][1] == [hf_greedy(llama_pair[0], p, 6) for p in prompts]
+
+
 def test_oversized_batch_falls_back_with_one_warning(llama_pair, eager_tokens, caplog):
     plat = fake_platform()
     dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
