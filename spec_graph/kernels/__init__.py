@@ -13,6 +13,7 @@ from pathlib import Path
 from .attention import decode_attention, decode_attention_ref
 from .block_verify import block_verify, block_verify_ref
 from .greedy_accept import PLACEHOLDER, greedy_accept_prepare, greedy_accept_prepare_ref
+from .prefill_attention import prefill_attention
 from .prepare_next import prepare_next, prepare_next_ref
 from .rejection_sample import rejection_sample, rejection_sample_ref
 from .rng import ACCEPT_COL, DRAFT_POS_BASE, REQUEST_ROW, hash_uniform, race_sample
@@ -75,6 +76,7 @@ __all__ = [
     "greedy_accept_prepare",
     "greedy_accept_prepare_ref",
     "hash_uniform",
+    "prefill_attention",
     "prepare_next",
     "prepare_next_ref",
     "race_sample",

@@ -78,6 +78,26 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, kp, end, qpos, q_lo, m_i, l_i, acc, qk_scale, skl, skd, svl, svd, offs_d,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of keys at positions kp (those below `end` exist) into the online softmax of query rows at
+    positions qpos: key k counts where q_lo < k <= qpos. Returns the new (m, l, acc)."""
+    kv_ok = kp < end
+    kt = tl.load(k_base + kp[None, :] * skl + offs_d[:, None] * skd, mask=kv_ok[None, :], other=0.0)
+    sc = _dot(q, kt, IEEE, UPCAST)
+    ok = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > q_lo[:, None]) & kv_ok[None, :]
+    sc = tl.where(ok, sc * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + kp[:, None] * svl + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
         B, T, HKV, G, LC, WINDOW, NUM_SPLITS, qk_scale,
@@ -133,20 +153,8 @@ def _decode_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n in range(start, end, BLOCK_N):
-            kp = n + offs_n
-            kv_ok = kp < end
-            kt = tl.load(k_base + kp[None, :] * skl + offs_d[:, None] * skd, mask=kv_ok[None, :], other=0.0)
-            sc = _dot(q, kt, IEEE, UPCAST)
-            ok = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > q_lo[:, None]) & kv_ok[None, :]
-            sc = tl.where(ok, sc * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(sc - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + kp[:, None] * svl + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, n + offs_n, end, qpos, q_lo, m_i, l_i, acc, qk_scale,
+                                          skl, skd, svl, svd, offs_d, IEEE, UPCAST)
 
         if DIRECT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import platform
-from ..kernels import decode_attention
+from ..kernels import decode_attention, prefill_attention
 from ..kernels.counters import new_sync
 from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok,
                                      rms_norm_ref, rope_ref)
@@ -123,6 +123,10 @@ class Attention(nn.Module):
         v_cache.index_put_(idx, v)
         if self.uses_decode_attention(q):
             return decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
+        if kv_len is not None and not isinstance(T, int) and platform.use_triton(q.device):
+            # an export's prefill, any length: the kernel reads the caches whole (a slice of symbolic length
+            # fed to SDPA makes export guard on its strides)
+            return prefill_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
         g = self.n_heads // self.n_kv
         kc, vc = k_cache[self.layer], v_cache[self.layer]  # [slots, Hkv, L, D] views, read only
         if kv_len is not None:
