@@ -106,6 +106,38 @@ def write_json(path, obj) -> None:
     Path(path).write_text(json.dumps(obj))
 
 
+def interpreter_before_triton() -> str | None:
+    """A kernel test module's first step, before its imports reach triton: on a CPU machine where nothing has
+    imported triton yet, TRITON_INTERPRET=1, so that the kernels build for the interpreter. Returns the value it
+    had before (for kernel_setting and interpreter_while_testing)."""
+    import sys
+
+    from spec_graph import platform
+
+    before = os.environ.get("TRITON_INTERPRET")
+    if "triton" not in sys.modules and before is None and platform.current().name == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return before
+
+
+def kernel_setting(kernel, env_before: str | None) -> tuple:
+    """Once a module's kernels are built (TRITON_INTERPRET goes back to `env_before`: the rest of the session keeps
+    its setting): (compiled, interpreter_builds, dev, needs_fresh_process). `kernel` is compiled Triton (a GPU
+    runs the tests), else the interpreter's where tl's helpers were built for it too; otherwise triton was
+    imported before the interpreter could be set, and the module must run afresh."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from spec_graph import platform
+
+    if env_before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    compiled = isinstance(kernel, JITFunction)
+    builds = not compiled and not isinstance(tl.min, JITFunction)
+    dev = platform.current().device if (compiled and platform.current().name != "cpu") else torch.device("cpu")
+    return compiled, builds, dev, dev.type == "cpu" and not builds
+
+
 @contextlib.contextmanager
 def interpreter_while_testing(on: bool, env_before: str | None):
     """TRITON_INTERPRET=1 while a kernel test module runs (when `on`), then the value it had before

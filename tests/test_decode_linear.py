@@ -4,14 +4,9 @@ fused decoder layer against the module path.
 Same interpreter arrangement as test_attention.py: on a CPU machine the kernels run under
 TRITON_INTERPRET=1 (in a fresh process if triton was imported too early); on a GPU the compiled kernels run.
 """
-import os
-import sys
+from helpers import interpreter_before_triton
 
-from spec_graph import platform  # imports torch, not triton
-
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().name == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+_ENV_BEFORE = interpreter_before_triton()  # before anything below imports triton
 
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
@@ -19,27 +14,20 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import (interpreter_while_testing, require_kernel, run_compiled_script,  # noqa: E402
+from helpers import (interpreter_while_testing, kernel_setting, require_kernel, run_compiled_script,  # noqa: E402
                      run_module_in_fresh_process)
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 _dl = importlib.import_module("spec_graph.kernels.decode_linear")
 _ll = importlib.import_module("spec_graph.kernels.linear_launch")
+from spec_graph import platform  # noqa: E402
 from spec_graph.kernels.decode_linear import (  # noqa: E402
     decode_gate_up, decode_gate_up_ref, decode_linear, decode_linear_ref, decode_qkv_rope, decode_qkv_rope_ref,
     rope_ref)
 from spec_graph.kernels.counters import SYNC_SLOTS, new_sync  # noqa: E402
 
-if _ENV_BEFORE is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-
-COMPILED = isinstance(_dl._decode_linear_kernel, JITFunction)
-INTERPRETER_BUILDS = not COMPILED and not isinstance(tl.min, JITFunction)
-DEV = platform.current().device if (COMPILED and platform.current().name != "cpu") else torch.device("cpu")
-NEEDS_FRESH_PROCESS = DEV.type == "cpu" and not INTERPRETER_BUILDS
+COMPILED, INTERPRETER_BUILDS, DEV, NEEDS_FRESH_PROCESS = kernel_setting(_dl._decode_linear_kernel, _ENV_BEFORE)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # bf16: one rounding of the output apart (fp32 sums in another order can round the other way)

@@ -14,11 +14,9 @@ kernels on the GPU.
 import os
 import sys
 
-from spec_graph import platform  # imports torch, not triton
+from helpers import interpreter_before_triton
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().name == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+_ENV_BEFORE = interpreter_before_triton()  # before anything below imports triton
 
 import importlib  # noqa: E402
 import re  # noqa: E402
@@ -27,12 +25,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from helpers import interpreter_while_testing, kernel_setting  # noqa: E402
 
+from spec_graph import platform  # noqa: E402
 from spec_graph.kernels import (  # noqa: E402
     ACCEPT_COL,
     DRAFT_POS_BASE,
@@ -55,13 +52,7 @@ _pn = importlib.import_module("spec_graph.kernels.prepare_next")
 _rs = importlib.import_module("spec_graph.kernels.rejection_sample")
 KERNELS = (_ga._greedy_accept_prepare_kernel, _pn._prepare_next_kernel, _rs._rejection_sample_kernel)
 
-if _ENV_BEFORE is None:
-    os.environ.pop("TRITON_INTERPRET", None)  # kernels are built: the rest of the session keeps its setting
-
-COMPILED = isinstance(KERNELS[0], JITFunction)
-INTERPRETER_BUILDS = not COMPILED and not isinstance(tl.min, JITFunction)
-DEV = platform.current().device if (COMPILED and platform.current().name != "cpu") else torch.device("cpu")
-NEEDS_FRESH_PROCESS = DEV.type == "cpu" and not INTERPRETER_BUILDS
+COMPILED, INTERPRETER_BUILDS, DEV, NEEDS_FRESH_PROCESS = kernel_setting(KERNELS[0], _ENV_BEFORE)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 I64 = dict(dtype=torch.int64, device=DEV)

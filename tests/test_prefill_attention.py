@@ -3,37 +3,25 @@
 Same interpreter arrangement as test_attention.py: on a CPU machine the kernel runs under TRITON_INTERPRET=1
 (set before triton's import, or in a fresh process); on a GPU machine the compiled kernel runs.
 """
-import os
-import sys
+from helpers import interpreter_before_triton
 
-from spec_graph import platform  # imports torch, not triton
-
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if "triton" not in sys.modules and _ENV_BEFORE is None and platform.current().name == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+_ENV_BEFORE = interpreter_before_triton()  # before anything below imports triton
 
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing, require_kernel, run_module_in_fresh_process  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from helpers import interpreter_while_testing, kernel_setting, require_kernel, run_module_in_fresh_process  # noqa: E402
 
+from spec_graph import platform  # noqa: E402
 from spec_graph.kernels import decode_attention_ref, prefill_attention  # noqa: E402
 
 _pa = importlib.import_module("spec_graph.kernels.prefill_attention")
 
-if _ENV_BEFORE is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-
-COMPILED = isinstance(_pa._prefill_attention_kernel, JITFunction)
-INTERPRETER_BUILDS = not COMPILED and not isinstance(tl.min, JITFunction)
-DEV = platform.current().device if (COMPILED and platform.current().name != "cpu") else torch.device("cpu")
-NEEDS_FRESH_PROCESS = DEV.type == "cpu" and not INTERPRETER_BUILDS
+COMPILED, INTERPRETER_BUILDS, DEV, NEEDS_FRESH_PROCESS = kernel_setting(_pa._prefill_attention_kernel, _ENV_BEFORE)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
