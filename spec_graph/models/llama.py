@@ -123,7 +123,7 @@ class Attention(nn.Module):
         v_cache.index_put_(idx, v)
         if self.uses_decode_attention(q):
             return decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
-        if kv_len is not None and not isinstance(T, int) and platform.use_triton(q.device):
+        if self.fused_decode and kv_len is not None and not isinstance(T, int) and platform.use_triton(q.device):
             # an export's prefill, any length: the kernel reads the caches whole (a slice of symbolic length
             # fed to SDPA makes export guard on its strides)
             return prefill_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
