@@ -115,6 +115,8 @@ def test_serve_with_the_flag_equals_serving_without_speculation(pair, tmp_path):
         finally:
             server.stop()
     assert texts["spec_graph"] == texts["plain"]
-    assert all(texts["plain"])
+    # not vacuous: text came back (a random model may stop at once on one prompt, and near-tied logits on a
+    # 2-thread CPU can move which)
+    assert any(texts["plain"])
     assert drafted > 0 and 0 < accepted <= drafted
     assert f"spec-graph: drafting with SpecGraphProposer: draft {draft} (LlamaForCausalLM), K={K}" in log
