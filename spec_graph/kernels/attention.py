@@ -198,6 +198,17 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, B, T, HKV, G, NUM_SPLITS, so
 
 
 # ------------------------------------------------------------------ launch
+def attention_shapes(op: str, q, k_cache, v_cache) -> tuple:
+    """(B, T, Hq, D, Hkv, Lc, G) of an attention kernel's inputs, once they are checked to fit its tiles."""
+    B, T, Hq, D = q.shape
+    _, _, Hkv, Lc, _ = k_cache.shape
+    if Hq % Hkv or D != block_for(D) or D < 16:
+        raise ValueError(f"{op} needs Hq % Hkv == 0 and D a power of two >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q, k_cache and v_cache must share one dtype")
+    return B, T, Hq, D, Hkv, Lc, Hq // Hkv
+
+
 def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) -> int:
     """Splits per (row, kv head) from static shapes only: about max_programs (4 per SM on CUDA) items in all,
     at most MAX_SPLITS, and no more than one per MIN_SPLIT_KEYS cache positions."""
@@ -212,14 +223,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
     if not use_kernel(_decode_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
-    B, T, Hq, D = q.shape
-    _, _, Hkv, Lc, _ = k_cache.shape
-    G = Hq // Hkv
-    if Hq % Hkv or D != block_for(D) or D < 16:
-        raise ValueError(f"decode_attention needs Hq % Hkv == 0 and D a power of two >= 16 (Hq={Hq}, "
-                         f"Hkv={Hkv}, D={D})")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q, k_cache and v_cache must share one dtype")
+    B, T, Hq, D, Hkv, Lc, G = attention_shapes("decode_attention", q, k_cache, v_cache)
     dev = q.device
     splits = num_splits if num_splits > 0 else auto_num_splits(B, Hkv, Lc, dev)
     kc, vc = k_cache[layer], v_cache[layer]  # [slots, Hkv, Lc, D] views

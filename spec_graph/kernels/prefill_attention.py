@@ -21,7 +21,7 @@ import torch
 from ._triton import tl, triton
 
 from .. import platform
-from .attention import LOG2E, _attend_block, decode_attention_ref
+from .attention import LOG2E, _attend_block, attention_shapes, decode_attention_ref
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_ROWS = 64  # query rows (heads of one kv head x positions) per tile
@@ -98,14 +98,7 @@ def _prefill_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           scale: Optional[float] = None) -> torch.Tensor:
     if not use_kernel(_prefill_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
-    B, T, Hq, D = q.shape
-    _, _, Hkv, Lc, _ = k_cache.shape
-    G = Hq // Hkv
-    if Hq % Hkv or D != block_for(D) or D < 16:
-        raise ValueError(f"prefill_attention needs Hq % Hkv == 0 and D a power of two >= 16 (Hq={Hq}, "
-                         f"Hkv={Hkv}, D={D})")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q, k_cache and v_cache must share one dtype")
+    B, T, Hq, D, Hkv, Lc, G = attention_shapes("prefill_attention", q, k_cache, v_cache)
     dev = q.device
     kc, vc = k_cache[layer], v_cache[layer]  # [slots, Hkv, Lc, D] views
     pos = positions.contiguous()
