@@ -274,7 +274,7 @@ def prime(dec: SpecDecoder, B: int, context: int | None = None) -> dict:
     prompts = [torch.randint(0, 32000, (n,)).tolist() for _ in range(B)]
     from spec_graph.sampling import SamplingParams
 
-    dec._prefill(list(range(B)), prompts, [max_len - context] * B, list(range(B)), SamplingParams(), dec.stop_buf)
+    dec._prefill(list(range(B)), prompts, [max_len - context] * B, list(range(B)), SamplingParams())
     if context > PRIME_PREFILL:
         dec.state["seq_lens"][:B] = context
     return {k: v.clone() for k, v in dec.state.items()}

@@ -38,6 +38,8 @@ MAX_STOP_IDS = 64
 # The length bound keeps a graph's attention scores (rows x heads x length^2) within what 512 allowed before.
 PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_LEN = 512
+# A prefill's per-row integers after its tokens: length, slot, max_new, seed, top_k (_prefill_rows)
+PREFILL_COLUMNS = 5
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -239,8 +241,10 @@ class DecoderBase(StepTimes):
             vc[:, slots] = 0
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                 params: SamplingParams, stop_ids: torch.Tensor) -> None:
-        dev, n = self.device, len(slots)
+                 params: SamplingParams) -> list[bool]:
+        """Admit `prompts` into `slots`: one forward of both models, then each row's first token and state, all on
+        the device (in one graph where the prefill replays one). Returns whether each row goes on (one host read)."""
+        n = len(slots)
         T = max(len(p) for p in prompts)
         # Padded to a power of two where a prefill can replay a graph on this platform (one graph per shape: few
         # shapes), whether or not this engine captures: an uncaptured engine on the device then runs the same
@@ -249,40 +253,55 @@ class DecoderBase(StepTimes):
         # as an export's span is.
         padded = self._padded_length(T)
         T = padded if self.capture_prefill and self.platform.supports_graphs and self._graph_shape(n, padded) else T
-        toks = torch.zeros(n, T, dtype=torch.long)
+        # Every per-row input in two host tensors, two copies to the device: a graph bakes in no request's values.
+        rows = torch.zeros(n, T + PREFILL_COLUMNS, dtype=torch.long)
         for i, p in enumerate(prompts):
-            toks[i, : len(p)] = torch.tensor(p)
-        toks = toks.to(dev)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        slot_t = torch.tensor(slots, device=dev)
+            rows[i, : len(p)] = torch.tensor(p)
+        top_k = min(params.top_k, self.vocab_size)  # the same filter; an int64 whatever top_k is
+        rows[:, T:] = torch.tensor([[len(p), s, m, seed, top_k] for p, s, m, seed in zip(prompts, slots, max_new, seeds)])
+        floats = torch.tensor([[max(params.temperature, 1e-5), params.top_p]] * n, dtype=torch.float32)
+        rows, floats = rows.to(self.device), floats.to(self.device)
+        self._zero_slots(rows[:, T + 1])
+        return self._prefill_run(rows, floats, params.greedy).tolist()
+
+    def _prefill_rows(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The prefill over device inputs alone (what its graph records): ``rows [n, T + PREFILL_COLUMNS]`` holds
+        each row's tokens, then its length, slot, max_new, seed and top_k; ``floats [n, 2]`` its temperature and
+        top_p. Commits each row's first token and writes its state; returns whether each row goes on."""
+        n, T = rows.shape[0], rows.shape[1] - PREFILL_COLUMNS
+        toks = rows[:, :T].contiguous()
+        lens, slot_t, max_new_t, seeds_t, top_k = (c.contiguous() for c in rows[:, T:].t())
+        temperature, top_p = (c.contiguous() for c in floats.t())
+        dev = rows.device
         pos = torch.arange(T, device=dev).expand(n, T)
-        self._zero_slots(slot_t)
-        logits = self._prefill_logits(toks, pos, slot_t, lens)
+        logits = self._prefill_forward(toks, pos, slot_t, lens)
         st = self.state
-        st["temperature"][slot_t] = max(params.temperature, 1e-5)
-        st["top_k"][slot_t] = min(params.top_k, self.vocab_size)  # the same filter; an int64 whatever top_k is
-        st["top_p"][slot_t] = params.top_p
-        seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
-        if params.greedy:
+        st["temperature"][slot_t] = temperature
+        st["top_k"][slot_t] = top_k
+        st["top_p"][slot_t] = top_p
+        if greedy:
             first = logits.argmax(-1)
         else:
-            probs = logits_to_probs(logits, st["temperature"][slot_t], st["top_k"][slot_t], st["top_p"][slot_t])
-            first = race_sample(probs, seeds_t, torch.zeros_like(seeds_t), REQUEST_ROW, 0)
+            probs = logits_to_probs(logits, temperature, top_k, top_p)
+            zero = torch.zeros_like(seeds_t)  # tensors, not ints: an int becomes a host-to-device copy
+            first = race_sample(probs, seeds_t, zero, torch.full_like(seeds_t, REQUEST_ROW), zero)
         finite = torch.isfinite(logits).all(-1)
-        max_new_t = torch.tensor(max_new, device=dev)
         # a compare, not torch.isin: isin sorts and reads sizes back on the host (0.8 ms per prefill on CUDA)
-        done = (first[:, None] == stop_ids[None, :]).any(-1) | (max_new_t <= 1)
+        done = (first[:, None] == self.stop_buf[None, :]).any(-1) | (max_new_t <= 1)
+        active = finite & ~done
         st["tail"][slot_t] = torch.stack((toks[torch.arange(n, device=dev), lens - 1], first), 1)
         st["seq_lens"][slot_t] = lens + 1
         st["n_out"][slot_t] = finite.long()  # non-finite logits commit nothing: no made-up first token
         st["max_new"][slot_t] = max_new_t
         st["seeds"][slot_t] = seeds_t
-        st["steps"][slot_t] = 1
         st["error"][slot_t] = ~finite
-        st["active"][slot_t] = finite & ~done
-        self.out_buf[slot_t] = PLACEHOLDER
-        self.out_buf[slot_t, 0] = first
-        self.acc_log[slot_t] = 0
+        st["active"][slot_t] = active
+        # constants by index_fill_: `t[idx] = 1` copies the 1 from the host, which no graph may record
+        st["steps"].index_fill_(0, slot_t, 1)
+        self.out_buf.index_fill_(0, slot_t, PLACEHOLDER)
+        self.out_buf[:, 0].index_copy_(0, slot_t, first)
+        self.acc_log.index_fill_(0, slot_t, 0)
+        return active
 
     def _padded_length(self, T: int) -> int:
         return min(1 << (T - 1).bit_length(), self.cache_len - 1)
@@ -296,25 +315,25 @@ class DecoderBase(StepTimes):
         """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly)."""
         return self.prefill_graphs is not None and self._graph_shape(n, T)
 
-    def _prefill_logits(self, toks, pos, slots, lens) -> torch.Tensor:
-        """The prefill forward, replayed from a graph per (rows, length) where that pays.
+    def _prefill_run(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """``_prefill_rows``, replayed from a graph per (rows, length, greedy) where that pays.
 
-        Capturing runs the forward for real (warm-up) with the request's own inputs: it rewrites the same
-        slots' caches with the same values, so it is harmless. The logits are the graph's static output,
-        valid until the next prefill."""
-        n, T = toks.shape
-        graphs, key = self.prefill_graphs, (n, T)
+        Capturing runs the prefill for real (warm-up) with the request's own inputs: it rewrites the same
+        slots' caches and state with the same values, so it is harmless. The result is the graph's static
+        output, valid until the next prefill."""
+        n, T = rows.shape[0], rows.shape[1] - PREFILL_COLUMNS
+        graphs, key = self.prefill_graphs, (n, T, greedy)
         if not self._prefill_replays(n, T) or key in graphs.failed:
-            return self._prefill_forward(toks, pos, slots, lens)
+            return self._prefill_rows(rows, floats, greedy)
         static = self._prefill_inputs.get(key)
         if static is None:
-            static = tuple(t.clone() for t in (toks, pos, slots, lens))
+            static = (rows.clone(), floats.clone())
             with torch.inference_mode():
-                if not graphs.capture(key, lambda: self._prefill_forward(*static)):
-                    return self._prefill_forward(toks, pos, slots, lens)
+                if not graphs.capture(key, lambda: self._prefill_rows(*static, greedy)):
+                    return self._prefill_rows(rows, floats, greedy)
             self._prefill_inputs[key] = static
         else:
-            for dst, src in zip(static, (toks, pos, slots, lens)):
+            for dst, src in zip(static, (rows, floats)):
                 dst.copy_(src)
         return graphs.replay(key)
 
@@ -329,10 +348,18 @@ class DecoderBase(StepTimes):
         return sorted({b for b in self.config.batch_buckets if b <= self.rows} | {self.rows}, reverse=True)
 
     def _steps_fn(self, greedy: bool, B: int, K: int, longest: int | None = None):
-        """The N-step callable over rows [0, B) with K drafts (an eager step's span: rows at most `longest` long)."""
+        """The N-step callable over rows [0, B) with K drafts (an eager step's span: rows at most `longest` long).
+        Where the host reads more than the active flags after a replay, it returns what the host reads
+        (``_read_tensor``), packed inside the replay's graph."""
         fn, args, N = self._step_fn(greedy, K), self._step_args(B), self.config.steps_per_graph
         span = {} if longest is None or not self.span_steps else {"kv_len": self._span(longest, K)}
-        return lambda: [fn(*args, **span) for _ in range(N)]
+        packs = self.config.adaptive or self.span_steps
+
+        def run():
+            for _ in range(N):
+                fn(*args, **span)
+            return self._read_tensor(B) if packs else None
+        return run
 
     def _span(self, longest: int, K: int) -> int:
         """Cache positions an eager replay of N steps reads where its busy rows are at most `longest` long: every
@@ -389,20 +416,19 @@ class DecoderBase(StepTimes):
             self.host_times.pop(key, None)
         self._timed.clear()
 
-    def _run_steps(self, B: int, greedy: bool, K: int | None = None, longest: int | None = None) -> None:
+    def _run_steps(self, B: int, greedy: bool, K: int | None = None, longest: int | None = None):
         """N speculative steps of K drafts over rows [0, B): one graph replay where a graph exists (else eager,
-        over the span of rows at most `longest` long)."""
+        over the span of rows at most `longest` long). Returns the steps' packed read (``_steps_fn``), or None."""
         K = self.K if K is None else K
         key = (greedy, B, K)
         if self.graphs is not None and key in self.graphs:
-            self.graphs.replay(key)
-            return
+            return self.graphs.replay(key)
         if self.graphs is not None and not self._fallback_warned:
             self._fallback_warned = True
             why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
             log.warning("spec-graph: running the step uncaptured (%s)", why)
         with torch.inference_mode():
-            self._steps_fn(greedy, B, K, longest)()
+            return self._steps_fn(greedy, B, K, longest)()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -445,7 +471,6 @@ class DecoderBase(StepTimes):
         t0 = time.perf_counter()
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
-        stop_ids = self.stop_buf
         self._capture(params.greedy, len(encoded))
         req_seeds = [request_seed(seed, i) for i in range(len(encoded))]
 
@@ -508,10 +533,9 @@ class DecoderBase(StepTimes):
                     live[s] = len(encoded[r]) + 1
                     if chooser:
                         chooser.admit(s)
-                self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
-                              [req_seeds[r] for _, r in admit], params, stop_ids)
+                act = self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
+                                    [req_seeds[r] for _, r in admit], params)
                 prefills += 1
-                act = self.state["active"][torch.tensor(slots, device=self.device)].tolist()
                 finish([s for s, a in zip(slots, act) if not a])
             busy = [s for s in range(S) if owner[s] is not None]
             if not busy:
@@ -520,7 +544,7 @@ class DecoderBase(StepTimes):
                 continue
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
-            self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
+            packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
             steps += N
             k_per_step += [K] * N
             for s in busy:
@@ -530,7 +554,7 @@ class DecoderBase(StepTimes):
             if chooser or self.span_steps:
                 # the one host read per replay: which rows are active, their lengths (the chooser's step times
                 # and the next eager span follow them), the chooser's counts
-                read = self._read_after_replay(B)
+                read = self._read_after_replay(B, packed)
                 active = read[:B]
                 for s in busy:
                     live[s] = read[B + s]

@@ -94,9 +94,9 @@ class StepTimes:
         ahead = ChoiceAhead(KChooser(self.k_choices), lambda c, ln: c.choose(self._times_for(greedy, b, length), ln))
 
         def with_read():
-            run()
+            packed = run()
             ahead.ahead(self.k_choices[0], self.config.steps_per_graph, lens)
-            ahead.seen(self._read_after_replay(b)[2 * b:], lens)
+            ahead.seen(self._read_after_replay(b, packed)[2 * b:], lens)
 
         def with_sync():
             run()
@@ -127,11 +127,15 @@ class StepTimes:
             return lambda: self.graphs.replay(key)
         return self._steps_fn(*key, length)
 
-    def _read_after_replay(self, B: int) -> list[int]:
-        """The one host read per replay of an adaptive engine, or of one whose eager steps read a span: rows
-        [0, B)'s active flags and lengths, then the chooser's counts."""
-        return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B],
-                          self.k_counts[:B].flatten())).tolist()
+    def _read_tensor(self, B: int) -> torch.Tensor:
+        """What the host reads after a replay of an adaptive engine, or of one whose eager steps read a span, in one
+        tensor: rows [0, B)'s active flags and lengths, then the chooser's counts. The steps return it from inside
+        their graph (``_steps_fn``), so that the read is one copy with no launch of its own."""
+        return torch.cat((self.state["active"][:B].long(), self.state["seq_lens"][:B], self.k_counts[:B].flatten()))
+
+    def _read_after_replay(self, B: int, packed: torch.Tensor | None = None) -> list[int]:
+        """The one host read per replay: ``packed``, the replay's own ``_read_tensor(B)``, else packed here."""
+        return (self._read_tensor(B) if packed is None else packed).tolist()
 
     def _as_if_live(self, snap: dict, length: int) -> None:
         """Every row active at committed length `length`, with room to generate (for timing only)."""

@@ -321,7 +321,7 @@ def test_engine_chooses_while_the_replay_runs(llama_pair, monkeypatch, order):
     dec = _engine(llama_pair, max_batch_size=1)
     run, read = dec._run_steps, dec._read_after_replay
     monkeypatch.setattr(dec, "_run_steps", lambda *a: (events.append("replay"), run(*a))[1])
-    monkeypatch.setattr(dec, "_read_after_replay", lambda B: (events.append("read"), read(B))[1])
+    monkeypatch.setattr(dec, "_read_after_replay", lambda B, *a: (events.append("read"), read(B, *a))[1])
     out = dec.generate(PROMPTS[:1], 24)
     assert out[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 24)
     assert events.count("replay") == len(out.stats.k_per_step) > 3

@@ -14,6 +14,7 @@ from helpers import assert_every_count, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.cli import DEFAULT_PAIR
+from spec_graph.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -174,26 +175,35 @@ def test_export_bench_pair_loaded_and_captured(tmp_path):
     assert out == [r.token_ids for r in eager.generate(prompts, 48)]
 
 
+def _buffers(dec) -> list[torch.Tensor]:
+    return [*dec.state.values(), dec.out_buf, dec.acc_log, *dec.target_kv, *dec.draft_kv]
+
+
 @pytest.mark.parametrize("n,T", [(2, 16), (8, 128)])  # (8, 128): a full batch of 8 admitted at once
-def test_captured_prefill_equals_eager_prefill(n, T):
-    """A short prefill replays a graph per (rows, length), with each call's own inputs: the same logits and
-    caches as the eager forward (the same kernels, recorded)."""
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)])
+def test_captured_prefill_equals_eager_prefill(n, T, params):
+    """A short prefill replays one graph per (rows, length, greedy): the forward and the first token's commit, with
+    each call's own inputs. It leaves the same caches, state and outputs as the eager prefill, and says the same
+    rows go on (one row here takes a single token, so it stops at its prefill)."""
     dec = pair_engine(max_batch_size=8, max_len=256)  # graphs on; the prefill needs no step compile
     assert dec.prefill_graphs is not None
     g = torch.Generator().manual_seed(0)
-    pos = torch.arange(T, device=dec.device).expand(n, T)
-    slots = torch.arange(n, device=dec.device).flip(0)
-    lens = torch.tensor([T] + [max(1, T // 2 + i) for i in range(n - 1)], device=dec.device)
-    for _ in range(2):  # capture, then a replay with new inputs copied into the static ones
-        toks = torch.randint(0, dec.vocab_size, (n, T), generator=g).to(dec.device)
-        dec._zero_slots(slots)
-        got = dec._prefill_logits(toks, pos, slots, lens).clone()
-        caches = [c.clone() for c in (*dec.target_kv, *dec.draft_kv)]
-        dec._zero_slots(slots)
-        want = dec._prefill_forward(toks, pos, slots, lens)
-        assert torch.equal(got, want)
-        assert all(torch.equal(a, b) for a, b in zip(caches, (*dec.target_kv, *dec.draft_kv)))
-    assert set(dec.prefill_graphs.graphs) == {(n, T)} and not dec.prefill_graphs.failed
+    slots = list(range(n))[::-1]
+    for call in range(2):  # capture, then a replay with new inputs copied into the static ones
+        prompts = [torch.randint(0, dec.vocab_size, (T if i == 0 else max(1, T // 2 + i),), generator=g).tolist()
+                   for i in range(n)]
+        args = (slots, prompts, [1] + [64] * (n - 1), [100 * call + i for i in range(n)], params)
+        before = [b.clone() for b in _buffers(dec)]
+        got_active = dec._prefill(*args)
+        got = [b.clone() for b in _buffers(dec)]
+        for b, v in zip(_buffers(dec), before):
+            b.copy_(v)
+        graphs, dec.prefill_graphs = dec.prefill_graphs, None  # the same prefill, run eagerly
+        want_active = dec._prefill(*args)
+        dec.prefill_graphs = graphs
+        assert got_active == want_active and not got_active[0] and all(got_active[1:])
+        assert all(torch.equal(a, b) for a, b in zip(got, _buffers(dec)))
+    assert set(dec.prefill_graphs.graphs) == {(n, T, params.greedy)} and not dec.prefill_graphs.failed
 
 
 def test_recorded_eager_step_and_prefills_equal_eager(eager_bf16):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import FakePlatform, assert_every_count, fake_platform, hf_greedy
 
-from spec_graph import SpecDecoder, SpecGraphConfig
+from spec_graph import SpecDecoder, SpecGraphConfig, runtime
 from spec_graph.capture import CapturedFunction, GraphSet
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63], [20, 21, 22]]
@@ -122,8 +122,12 @@ def test_an_uncaptured_engine_prefills_the_captured_shapes(llama_pair, eager_tok
     shapes run the same kernels, so in bf16 the two give the same tokens. (On CPU, without graphs, a prefill runs
     at its own length: test_engine.py.)"""
     def shapes_of(dec):
-        seen, run = [], dec._prefill_logits
-        monkeypatch.setattr(dec, "_prefill_logits", lambda toks, *a: (seen.append(tuple(toks.shape)), run(toks, *a))[1])
+        seen, run = [], dec._prefill_run
+
+        def record(rows, *a):
+            seen.append((rows.shape[0], rows.shape[1] - runtime.PREFILL_COLUMNS))
+            return run(rows, *a)
+        monkeypatch.setattr(dec, "_prefill_run", record)
         return seen
 
     prompts = [list(range(2, 35)), [3, 4, 5], list(range(10, 30))]
@@ -247,15 +251,13 @@ def test_short_prefills_replay_a_graph_per_rows_and_length(llama_pair, eager_tok
     out = dec.generate(PROMPTS * 2, 20)  # twice over, so that prefill shapes repeat and replay
     assert [r.token_ids for r in out] == eager_tokens * 2
     keys = set(dec.prefill_graphs.graphs)
-    assert keys == {(n, T) for n, T in calls} and out.stats.prefills > len(keys)
+    assert keys == {(n, T, True) for n, T in calls} and out.stats.prefills > len(keys)
     # each key ran twice for warm-up, then once per prefill as a replay of the recorded callable
     assert len(calls) == 2 * len(keys) + out.stats.prefills
     assert dec.prefill_graphs.pool == "pool" and dec.prefill_graphs is not dec.graphs
 
 
 def test_long_prefills_and_uncaptured_engines_run_the_forward(llama_pair, monkeypatch):
-    from spec_graph import runtime
-
     monkeypatch.setattr(runtime, "PREFILL_GRAPH_TOKENS", 4)  # every prompt here is longer
     dec = engine(llama_pair, plat=fake_platform(), compile_step=False, enable_graph=True, max_batch_size=2,
                  batch_buckets=(2,))
