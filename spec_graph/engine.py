@@ -30,7 +30,8 @@ log = logging.getLogger("spec_graph")
 # pattern match, and a step the pass no longer matches still computes the same tokens with the
 # unfused reference ops: only the pass's count tells the two apart.
 EXPECTED_FUSION = {True: "fuse_greedy_accept", False: "fuse_prepare_next"}
-# Compiles of the one step function: 2 modes x (batch 1, symbolic batch) x each K of "auto", with room to spare.
+# Compiles of one function: the step's 2 modes x (batch 1, symbolic batch) x each K of "auto", or the prefill's
+# (one row, symbolic rows) x each architecture and cache shape in the process, with room to spare.
 RECOMPILE_LIMIT = 64
 
 
@@ -93,8 +94,43 @@ def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
     return parse_dtype(dtype)
 
 
+def prefill_models(draft, target, toks, pos, slots, lens, draft_k, draft_v, target_k, target_v,
+                   any_len: bool = False) -> torch.Tensor:
+    """Both models' prefill forwards over positions [0, T) (attention reads that much of the caches, not
+    max_len): writes their caches at the rows' slots and returns the target's float32 logits at lens - 1.
+    any_len: no branch on T (compiled with T symbolic)."""
+    T = toks.shape[1]
+    kw = dict(slots=slots, kv_len=T, logits_at=lens - 1, any_len=any_len)
+    draft(toks, pos, draft_k, draft_v, **kw)
+    return target(toks, pos, target_k, target_v, **kw)
+
+
+_COMPILED_PREFILLS: dict = {}
+
+
+def compiled_prefill(device: str, passes: dict):
+    """prefill_models compiled by the spec_graph backend, one wrapper per (device, passes): a wrapper of its own
+    per engine would compile the same forward again for each."""
+    key = (device, tuple(sorted(passes.items())))
+    fn = _COMPILED_PREFILLS.get(key)
+    if fn is None:
+        from .backend import known_inductor_configs, spec_graph_backend
+        from .kernels import INDUCTOR_CONFIGS
+
+        # emulate_precision_casts: inductor rounds where the eager modules round (RMSNorm's casts, say), so that
+        # the compiled prefill computes what the eager one does
+        inductor = known_inductor_configs({**INDUCTOR_CONFIGS, "emulate_precision_casts": True})
+        fn = _COMPILED_PREFILLS[key] = torch.compile(
+            prefill_models, backend=spec_graph_backend, fullgraph=True, dynamic=False,
+            options={"capture": False, "device": device, "passes": dict(passes), "inductor": inductor})
+    return fn
+
+
 class SpecDecoder(DecoderBase):
     capture_prefill = True  # the eager prefill launches every layer's kernels from Python
+    # and a compiled engine on a graph platform compiles it (some 45 kernels a layer become a handful): one
+    # compile with rows and length symbolic (two: one row is a shape of its own), on the first long prefill
+    compile_prefill = True
 
     def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=(), plat=None):
         self.target, self.draft = target, draft
@@ -156,11 +192,28 @@ class SpecDecoder(DecoderBase):
     def _new_kv_caches(self, rows: int, cache_len: int):
         return self.target.new_kv_cache(rows, cache_len), self.draft.new_kv_cache(rows, cache_len)
 
+    def _compiles_prefill(self, n: int, T: int) -> bool:
+        """Whether a prefill of n rows of T positions runs the compiled forward: on a compiled engine with graphs,
+        at the shapes that replay a graph (a long prompt's own kernels outlast their launches), past the few
+        positions that attend through the decode kernels (their forward is already a few kernels a layer)."""
+        return (self.compile_prefill and self.compiled and self.graphs is not None and self._graph_shape(n, T)
+                and not any(m.model.layers[0].self_attn.decode_attention_for(T, self.device)
+                            for m in (self.target, self.draft)))
+
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
-        T = toks.shape[1]  # positions [0, T): attention reads that much of the caches, not max_len
         with torch.inference_mode():
-            self.draft(toks, pos, *self.draft_kv, slots=slots, kv_len=T, logits_at=lens - 1)
-            return self.target(toks, pos, *self.target_kv, slots=slots, kv_len=T, logits_at=lens - 1)
+            if not self._compiles_prefill(*toks.shape):
+                return prefill_models(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv,
+                                      *self.target_kv)
+            fwd = compiled_prefill(self.platform.name, self.config.passes)
+            # inference tensors all (guards tell them from normal ones: a mix would compile again)
+            toks, pos, slots, lens = (t if t.is_inference() else t.clone() for t in (toks, pos, slots, lens))
+            for t in (toks, pos, slots, lens):  # rows and length symbolic: one compile serves every graph shape
+                for d in range(t.dim()):
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+            # Engines of one architecture share the compile; others (and cache shapes) add entries to it.
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return fwd(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv, True)
 
     def _step_fn(self, greedy: bool, K: int | None = None):
         """The one-step function of K drafts (default: the largest) over static buffers: eager, or compiled by

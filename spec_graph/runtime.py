@@ -264,6 +264,7 @@ class DecoderBase(StepTimes):
         self._zero_slots(rows[:, T + 1])
         return self._prefill_run(rows, floats, params.greedy).tolist()
 
+    @torch.inference_mode()  # captured or not: the same (inference) tensors reach a compiled forward's guards
     def _prefill_rows(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
         """The prefill over device inputs alone (what its graph records): ``rows [n, T + PREFILL_COLUMNS]`` holds
         each row's tokens, then its length, slot, max_new, seed and top_k; ``floats [n, 2]`` its temperature and

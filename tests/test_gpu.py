@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from helpers import assert_every_count, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.cli import DEFAULT_PAIR
+from spec_graph.engine import prefill_models
 from spec_graph.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -204,6 +206,43 @@ def test_captured_prefill_equals_eager_prefill(n, T, params):
         assert got_active == want_active and not got_active[0] and all(got_active[1:])
         assert all(torch.equal(a, b) for a, b in zip(got, _buffers(dec)))
     assert set(dec.prefill_graphs.graphs) == {(n, T, params.greedy)} and not dec.prefill_graphs.failed
+
+
+def test_compiled_prefill_equals_eager_forward(llama_pair):
+    """A compiled engine on the device compiles its prefill forward with rows and length symbolic past the
+    lengths that attend through the decode kernels: the first two shapes compile (one row is a shape of its
+    own), later ones reuse them, and each leaves the logits and caches of the eager forward (fp32, to rounding).
+    The same comparison tells apart a forward at positions shifted by one."""
+    target, draft = llama_pair
+    dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=3, max_len=512,
+                                                                     dtype="float32", max_batch_size=4,
+                                                                     batch_buckets=(4,)))
+    assert not dec._compiles_prefill(2, 16)  # a few positions: the decode kernels' forward, not compiled
+    caches = lambda: [*dec.draft_kv, *dec.target_kv]  # noqa: E731
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4)  # noqa: E731
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    for i, (n, T) in enumerate(((1, 128), (3, 128), (4, 256), (2, 128), (1, 256))):
+        if i == 2:
+            compiled = graphs()
+        assert dec._compiles_prefill(n, T)
+        toks = torch.randint(0, dec.vocab_size, (n, T), generator=g).to(dec.device)
+        pos = torch.arange(T, device=dec.device).expand(n, T)
+        slots = torch.randperm(4, generator=g)[:n].to(dec.device)
+        lens = torch.randint(1, T + 1, (n,), generator=g).to(dec.device)
+        start = [c.clone() for c in caches()]
+        got = dec._prefill_forward(toks, pos, slots, lens)
+        got_kv = [c.clone() for c in caches()]
+        for shift in (0, 1):
+            for c, s in zip(caches(), start):
+                c.copy_(s)
+            with torch.inference_mode():
+                want = prefill_models(dec.draft, dec.target, toks, (pos + shift).clamp(max=T - 1), slots, lens,
+                                      *caches())
+            same = close(got, want) and all(close(a, b) for a, b in zip(got_kv, caches()))
+            assert same == (shift == 0), (n, T, shift)
+    assert graphs() == compiled, "a prefill shape after the first two compiled again"
+    assert _debug_get_cache_entry_list(prefill_models)
 
 
 def test_recorded_eager_step_and_prefills_equal_eager(eager_bf16):

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from helpers import FakePlatform, assert_every_count, fake_platform, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig, runtime
 from spec_graph.capture import CapturedFunction, GraphSet
+from spec_graph.engine import prefill_models
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13], [3], [60, 61, 62, 63], [20, 21, 22]]
 PKG = Path(__file__).parents[1] / "spec_graph"
@@ -80,6 +82,7 @@ def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
     dec = engine(llama_pair, plat=plat, enable_graph=True, max_batch_size=4, batch_buckets=(4,), steps_per_graph=2)
     out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
+    assert _debug_get_cache_entry_list(prefill_models)  # a compiled engine with graphs compiles its prefills too
     assert_every_count(out, 3)
     records, step_replays = step_events(plat, dec, out)
     assert records == 1 and out.stats.steps == 2 * step_replays

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, kv_len=None):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, kv_len=None, any_len=False):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
@@ -96,11 +96,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, positions, k_cache, v_cache, slots, kv_len)
+        out = self.attend(q, k, v, positions, k_cache, v_cache, slots, kv_len, any_len)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
-    def uses_decode_attention(self, x) -> bool:
-        return self.decode_attention_for(x.shape[1], x.device)
+    def uses_decode_attention(self, x, any_len: bool = False) -> bool:
+        return not any_len and self.decode_attention_for(x.shape[1], x.device)
 
     def decode_attention_for(self, T, device) -> bool:
         """Whether forwards of T positions per row on `device` attend through the live-length kernel."""
@@ -108,9 +108,11 @@ class Attention(nn.Module):
         return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
                 and platform.use_triton(device))
 
-    def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None):
+    def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None, any_len=False):
         """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]. ``kv_len``: every
-        position is below it (a prefill's length), so the matmul path reads that much of the cache alone."""
+        position is below it (a prefill's length), so the matmul path reads that much of the cache alone.
+        ``any_len``: a prefill compiled for every length (dynamo shows its symbolic T as an int): the path of a
+        symbolic T, with no branch on T's value."""
         B, T = q.shape[:2]
         v = v.reshape(B, T, self.n_kv, self.head_dim)
         rows = (torch.arange(B, device=q.device) if slots is None else slots)[:, None, None]
@@ -121,9 +123,10 @@ class Attention(nn.Module):
         idx = (torch.full_like(rows, self.layer), rows, heads, pos)
         k_cache.index_put_(idx, k)
         v_cache.index_put_(idx, v)
-        if self.uses_decode_attention(q):
+        if self.uses_decode_attention(q, any_len):
             return decode_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
-        if self.fused_decode and kv_len is not None and not isinstance(T, int) and platform.use_triton(q.device):
+        symbolic = any_len or not isinstance(T, int)
+        if self.fused_decode and kv_len is not None and symbolic and platform.use_triton(q.device):
             # an export's prefill, any length: the kernel reads the caches whole (a slice of symbolic length
             # fed to SDPA makes export guard on its strides)
             return prefill_attention(q, k_cache, v_cache, self.layer, slots, positions, self.window)
@@ -139,7 +142,7 @@ class Attention(nn.Module):
         mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
         if self.window:
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
-        if kv_len is not None and (not isinstance(T, int) or T >= PREFILL_SDPA_POSITIONS):
+        if kv_len is not None and (symbolic or T >= PREFILL_SDPA_POSITIONS):
             # a prefill (each query sees its own key; T symbolic: an export's, of any length): fused attention,
             # with memory linear in the scores' rows
             kh, vh = (t.repeat_interleave(g, dim=1) for t in (keys, values))  # query head h reads kv head h // g
@@ -177,12 +180,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.fused = None  # None: FUSED_LAYERS decides; Transformer.fused_layers sets it per model
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None, kv_len=None):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None, kv_len=None, any_len=False):
         fused = FUSED_LAYERS if self.fused is None else self.fused
-        if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x)
+        if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x, any_len)
                 and platform.use_fused_linear(x.device) and fused_rows_ok(x)):
             return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots, sync)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots, kv_len)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots, kv_len,
+                               any_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
@@ -221,6 +225,7 @@ class Transformer(nn.Module):
     a query's own are masked, so stale cache entries past a request's length
     are never read before they are overwritten. ``kv_len`` (a prefill's length, every position below it): attention
     reads the caches' first ``kv_len`` positions alone, so that a prefill's work follows the prompt, not max_len.
+    ``any_len``: the forward takes no branch on T (one compile of a prefill with T symbolic serves every length).
     """
 
     def __init__(self, args: ModelArgs):
@@ -251,13 +256,13 @@ class Transformer(nn.Module):
         make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device)  # noqa: E731
         return make(), make()
 
-    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None):
+    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None, any_len=False):
         x = self.model.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len, any_len)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if logits_at is not None:
             # the norm and head at one position per row: a long prompt's [B, T, V] fp32 logits would not fit
@@ -265,7 +270,8 @@ class Transformer(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), logits_at]
             return F.linear(self.model.norm(x), w).float()
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
-        if (fused and self.model.layers[0].self_attn.uses_decode_attention(x) and platform.use_fused_linear(x.device)
+        if (fused and self.model.layers[0].self_attn.uses_decode_attention(x, any_len)
+                and platform.use_fused_linear(x.device)
                 and fused_rows_ok(x)):
             norm = self.model.norm
             return decode_linear(x, w, None, norm.weight, norm.eps, sync=self.linear_sync).float()
