@@ -455,8 +455,11 @@ def settings_as(module, **values):
 
 def apply_settings(pairs: list[str]) -> None:
     """--set MODULE.NAME=VALUE: a setting of a spec_graph.kernels module (VALUE a Python literal), set before
-    anything compiles. The compile caches' key holds these settings (kernels.launch_key), so runs of one machine
-    that set them differently each compile their own step."""
+    anything compiles. The spec_graph backend's cache key holds these settings (kernels.launch_key), so runs of one
+    machine that set them differently each compile their own step; (e), a plain torch.compile, has no such key, so
+    with any setting inductor's caches are off for the run (else (e) could load a graph built under other
+    settings)."""
+    settings = []
     for pair in pairs:
         target, eq, value = pair.partition("=")
         module, _, name = target.rpartition(".")
@@ -469,9 +472,18 @@ def apply_settings(pairs: list[str]) -> None:
         if not name.isupper() or not hasattr(mod, name):
             sys.exit(f"--set {pair!r}: spec_graph.kernels.{module} has no setting {name!r}")
         try:
-            setattr(mod, name, ast.literal_eval(value))
+            settings.append((mod, name, ast.literal_eval(value)))
         except (ValueError, SyntaxError):
             sys.exit(f"--set {pair!r}: {value!r} is not a Python literal")
+    if settings:
+        from torch._functorch import config as aot_config
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = False
+        if hasattr(aot_config, "enable_autograd_cache"):
+            aot_config.enable_autograd_cache = False
+    for mod, name, value in settings:
+        setattr(mod, name, value)
 
 
 def main():
