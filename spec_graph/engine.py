@@ -212,8 +212,17 @@ class SpecDecoder(DecoderBase):
                 for d in range(t.dim()):
                     torch._dynamo.maybe_mark_dynamic(t, d)
             # Engines of one architecture share the compile; others (and cache shapes) add entries to it.
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return fwd(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv, True)
+            try:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return fwd(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv,
+                               True)
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+                # a compile failed before anything ran: this engine's prefills run the eager forward from now on
+                self.compile_prefill = False
+                log.warning("spec-graph: the prefill's compile failed (%s: %s); prefills run the eager forward",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return prefill_models(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv,
+                                      *self.target_kv)
 
     def _step_fn(self, greedy: bool, K: int | None = None):
         """The one-step function of K drafts (default: the largest) over static buffers: eager, or compiled by

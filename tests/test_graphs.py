@@ -88,6 +88,35 @@ def test_compiled_multi_step_capture_equals_eager(llama_pair, eager_tokens):
     assert records == 1 and out.stats.steps == 2 * step_replays
 
 
+def test_failed_prefill_compile_falls_back_to_eager(llama_pair, monkeypatch, caplog):
+    """A prefill whose compile fails warns once and runs the eager forward, then and after: the same logits and
+    caches as the eager forward, no error reaching the request."""
+    from spec_graph import engine as engine_mod
+
+    dec = engine(llama_pair, plat=fake_platform(), compile_step=True, enable_graph=True, max_batch_size=4,
+                 batch_buckets=(4,))
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit hit")
+
+    monkeypatch.setattr(engine_mod, "compiled_prefill", lambda *a: failing)
+    n, T = 2, 8
+    assert dec._compiles_prefill(n, T)
+    toks = torch.randint(0, dec.vocab_size, (n, T), generator=torch.Generator().manual_seed(0))
+    pos, slots, lens = torch.arange(T).expand(n, T), torch.tensor([3, 1]), torch.tensor([T, 5])
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        got = [dec._prefill_forward(toks, pos, slots, lens) for _ in range(2)]
+    kv = [c.clone() for c in (*dec.draft_kv, *dec.target_kv)]
+    assert calls == [1] and not dec.compile_prefill and engine_mod.SpecDecoder.compile_prefill is True
+    assert sum("prefill's compile failed" in r.getMessage() for r in caplog.records) == 1
+    with torch.inference_mode():
+        want = prefill_models(dec.draft, dec.target, toks, pos, slots, lens, *dec.draft_kv, *dec.target_kv)
+    assert all(torch.equal(g, want) for g in got)
+    assert all(torch.equal(a, b) for a, b in zip(kv, (*dec.draft_kv, *dec.target_kv)))
+
+
 def test_captured_through_platform_seam(llama_pair, eager_tokens):
     plat = fake_platform()
     dec = engine(llama_pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=4,
