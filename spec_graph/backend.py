@@ -100,6 +100,18 @@ def known_inductor_configs(wanted: dict) -> dict:
     return known
 
 
+def backend_compile(fn: Callable, device: str, passes: dict | None = None, inductor: dict | None = None,
+                    **options: Any):
+    """fn compiled whole by this backend, shapes static unless marked dynamic, left uncaptured (the caller
+    captures it): INDUCTOR_CONFIGS plus ``inductor``, the ``passes`` switches and any other backend ``options``."""
+    from .kernels import INDUCTOR_CONFIGS
+
+    return torch.compile(fn, backend=spec_graph_backend, fullgraph=True, dynamic=False,
+                         options={"capture": False, "device": device, "passes": dict(passes or {}),
+                                  "inductor": known_inductor_configs({**INDUCTOR_CONFIGS, **(inductor or {})}),
+                                  **options})
+
+
 def _input_device(example_inputs) -> str | None:
     """The device the graph's tensors live on (None: the platform found)."""
     for t in example_inputs:

@@ -15,6 +15,7 @@ import torch
 
 from . import platform
 from .adaptive import count_acceptance
+from .backend import backend_compile
 from .config import SpecGraphConfig, beyond_window_warning, check_device, kv_fit
 from .models import load_model, parse_dtype, read_config
 from .models.config import pair_window, window_source
@@ -114,15 +115,10 @@ def compiled_prefill(device: str, passes: dict):
     key = (device, tuple(sorted(passes.items())))
     fn = _COMPILED_PREFILLS.get(key)
     if fn is None:
-        from .backend import known_inductor_configs, spec_graph_backend
-        from .kernels import INDUCTOR_CONFIGS
-
         # emulate_precision_casts: inductor rounds where the eager modules round (RMSNorm's casts, say), so that
         # the compiled prefill computes what the eager one does
-        inductor = known_inductor_configs({**INDUCTOR_CONFIGS, "emulate_precision_casts": True})
-        fn = _COMPILED_PREFILLS[key] = torch.compile(
-            prefill_models, backend=spec_graph_backend, fullgraph=True, dynamic=False,
-            options={"capture": False, "device": device, "passes": dict(passes), "inductor": inductor})
+        fn = _COMPILED_PREFILLS[key] = backend_compile(prefill_models, device, passes,
+                                                       {"emulate_precision_casts": True})
     return fn
 
 
@@ -202,27 +198,26 @@ class SpecDecoder(DecoderBase):
 
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
         with torch.inference_mode():
-            if not self._compiles_prefill(*toks.shape):
-                return prefill_models(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv,
-                                      *self.target_kv)
-            fwd = compiled_prefill(self.platform.name, self.config.passes)
-            # inference tensors all (guards tell them from normal ones: a mix would compile again)
-            toks, pos, slots, lens = (t if t.is_inference() else t.clone() for t in (toks, pos, slots, lens))
-            for t in (toks, pos, slots, lens):  # rows and length symbolic: one compile serves every graph shape
-                for d in range(t.dim()):
-                    torch._dynamo.maybe_mark_dynamic(t, d)
-            # Engines of one architecture share the compile; others (and cache shapes) add entries to it.
-            try:
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    return fwd(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv,
-                               True)
-            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
-                # a compile failed before anything ran: this engine's prefills run the eager forward from now on
-                self.compile_prefill = False
-                log.warning("spec-graph: the prefill's compile failed (%s: %s); prefills run the eager forward",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                return prefill_models(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv,
-                                      *self.target_kv)
+            if self._compiles_prefill(*toks.shape):
+                try:
+                    return self._compiled_prefill_forward(toks, pos, slots, lens)
+                except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+                    # a compile failed before anything ran: this engine's prefills run the eager forward from now on
+                    self.compile_prefill = False
+                    log.warning("spec-graph: the prefill's compile failed (%s: %s); prefills run the eager forward",
+                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return prefill_models(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv)
+
+    def _compiled_prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
+        fwd = compiled_prefill(self.platform.name, self.config.passes)
+        # inference tensors all (guards tell them from normal ones: a mix would compile again)
+        toks, pos, slots, lens = (t if t.is_inference() else t.clone() for t in (toks, pos, slots, lens))
+        for t in (toks, pos, slots, lens):  # rows and length symbolic: one compile serves every graph shape
+            for d in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        # Engines of one architecture share the compile; others (and cache shapes) add entries to it.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return fwd(self.draft, self.target, toks, pos, slots, lens, *self.draft_kv, *self.target_kv, True)
 
     def _step_fn(self, greedy: bool, K: int | None = None):
         """The one-step function of K drafts (default: the largest) over static buffers: eager, or compiled by
@@ -248,18 +243,12 @@ class SpecDecoder(DecoderBase):
 
             fn = one_step
             if compiled:
-                from .backend import known_inductor_configs, spec_graph_backend
-                from .kernels import INDUCTOR_CONFIGS
-
                 mode, expected = ("greedy" if greedy else "sampling"), EXPECTED_FUSION[greedy]
                 check = bool(self.config.passes.get(expected, True))  # a pass turned off is not expected
                 seen, warned = self.pass_counts.setdefault(mode, []), self._fusion_warned
                 reports: list = []  # filled by the backend during a compile, drained right after it
-                compiled_step = torch.compile(one_step, backend=spec_graph_backend, fullgraph=True, dynamic=False,
-                                              options={"capture": False, "device": self.platform.name,
-                                                       "passes": dict(self.config.passes),
-                                                       "on_passes": reports.append,
-                                                       "inductor": known_inductor_configs(INDUCTOR_CONFIGS)})
+                compiled_step = backend_compile(one_step, self.platform.name, self.config.passes,
+                                                on_passes=reports.append)
 
                 def fn(st, out_buf, acc_log, *rest):
                     # Every bucket above 1 shares one compile (size 1 is specialised anyway): the batch

@@ -340,12 +340,9 @@ class DraftCore:
         above 1 share one compile with a symbolic batch. A failed compile warns once and leaves the eager
         chain in charge (None)."""
         if self.compiled is None:
-            from ..backend import known_inductor_configs, spec_graph_backend
-            from ..kernels import INDUCTOR_CONFIGS
+            from ..backend import backend_compile
 
-            self.compiled = torch.compile(self.draft_chain, backend=spec_graph_backend, fullgraph=True, dynamic=False,
-                                          options={"capture": False, "device": self.platform.name,
-                                                   "inductor": known_inductor_configs(INDUCTOR_CONFIGS)})
+            self.compiled = backend_compile(self.draft_chain, self.platform.name)
         Bp, L = key
         if Bp not in self.static and Bp > 1:
             for t in self._static_for(Bp).values():
