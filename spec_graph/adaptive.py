@@ -92,8 +92,9 @@ def _decayed_add(reached: list[float], accepted: list[float], new: list[int], de
     drafts fare, given the ones before them, changes less between rows than the first does)."""
     n = len(reached)
     for j in range(n):
-        keep = decay ** max(new[j], 1)
-        reached[j] = keep * reached[j] + new[j]
+        m = new[j]
+        keep = decay if m <= 1 else decay ** m  # (decay ** 1 is decay: the same floats, without the power)
+        reached[j] = keep * reached[j] + m
         accepted[j] = keep * accepted[j] + new[n + j]
 
 
@@ -135,7 +136,14 @@ class KChooser:
         _decayed_add(self.reached, self.accepted, [sum(col) for col in zip(*per_row)], self.decay)
         for row, d in enumerate(per_row):
             if d[0]:
-                _decayed_add(*self.rows.setdefault(row, ([0.0] * n, [0.0] * n)), d, ROW_DECAY)
+                self._row_add(row, d)
+
+    def _row_add(self, row: int, new: list[int]) -> None:
+        # new lists, not changed in place: forks (after_step) share the rows they do not step
+        reached, accepted = self.rows.get(row) or ([0.0] * self.kmax, [0.0] * self.kmax)
+        own = (list(reached), list(accepted))
+        _decayed_add(*own, new, ROW_DECAY)
+        self.rows[row] = own
 
     def has_seen(self, counts: list[int]) -> bool:
         """Whether ``counts`` are the counters this chooser last observed (rows past them aside; rows it never
@@ -145,16 +153,17 @@ class KChooser:
     def after_step(self, row: int, k: int, accepted: int) -> "KChooser":
         """A copy that has also observed row ``row`` take one step of ``k`` drafts and accept ``accepted`` of them:
         the counts ``count_acceptance`` adds on the device, on top of the last observed."""
-        counts = list(self._last)
-        base = 2 * self.kmax * row
-        counts += [0] * (base + 2 * self.kmax - len(counts))
-        for j in range(k):
-            counts[base + j] += accepted >= j
-            counts[base + self.kmax + j] += accepted > j
+        n = self.kmax
+        new = [int(j < k and accepted >= j) for j in range(n)] + [int(j < k and accepted > j) for j in range(n)]
+        base = 2 * n * row
         fork = copy.copy(self)
-        fork.reached, fork.accepted, fork._last = list(self.reached), list(self.accepted), list(self._last)
-        fork.rows = {r: (list(a), list(b)) for r, (a, b) in self.rows.items()}
-        fork.observe(counts)
+        fork.reached, fork.accepted, fork.rows = list(self.reached), list(self.accepted), dict(self.rows)
+        fork._last = self._last + [0] * (base + 2 * n - len(self._last))
+        fork._last[base:base + 2 * n] = [c + d for c, d in zip(fork._last[base:base + 2 * n], new)]
+        # what observe(the counts) would do: every other row's counts are unchanged, so this row's are the sums'
+        _decayed_add(fork.reached, fork.accepted, new, self.decay)
+        if new[0]:
+            fork._row_add(row, new)
         return fork
 
     def rates(self) -> list[float]:
@@ -173,15 +182,32 @@ class KChooser:
             return pooled
         return _smoothed(*self.rows[row], pooled, ROW_PRIOR_WEIGHT)
 
+    def _row_expected(self, row: int, pooled: list[float], pooled_e: list[float]) -> list[float]:
+        """``_expected_by_k(self.row_rates(row, pooled))`` in one pass (the same floats): the chooser runs it per
+        busy row before every replay, on the host."""
+        own = self.rows.get(row)
+        if own is None:
+            return pooled_e
+        out, reach = [1.0], 1.0
+        for r, a, p in zip(*own, pooled):
+            reach *= (a + ROW_PRIOR_WEIGHT * p) / (r + ROW_PRIOR_WEIGHT)
+            out.append(out[-1] + reach)
+        return out
+
     def choose(self, times: dict[int, float], remaining: dict[int, int] | None = None, queued: int = 0) -> int:
         rates = self.rates()
         pooled = _expected_by_k(rates)
         if remaining:  # steps until the work left is done (module docstring), at least the slowest row's
-            per_row = [(left, _expected_by_k(self.row_rates(r, rates))) for r, left in remaining.items()]
+            slowest = [0.0] * len(self.choices)
+            for r, left in remaining.items():
+                e, most = self._row_expected(r, rates, pooled), max(left - 1, 0)
+                for i, k in enumerate(self.choices):
+                    # a row commits at most the tokens it has left: drafts past them finish it no sooner
+                    v = left / e[k if k < most else most]
+                    if v > slowest[i]:
+                        slowest[i] = v
             total, rows = queued + sum(remaining.values()), len(remaining)
-            # a row commits at most the tokens it has left: drafts past them finish it no sooner
-            steps = {k: max(total / (rows * pooled[k]), max(left / e[min(k, max(left - 1, 0))] for left, e in per_row))
-                     for k in self.choices}
+            steps = {k: max(total / (rows * pooled[k]), s) for k, s in zip(self.choices, slowest)}
         else:
             steps = {k: 1.0 / pooled[k] for k in self.choices}
         costs = {k: steps[k] * times[k] for k in self.choices if times.get(k) is not None and times[k] > 0}

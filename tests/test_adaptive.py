@@ -363,6 +363,32 @@ def test_after_step_is_the_devices_count():
     assert not first.after_step(2, 4, 1).has_seen(counts.flatten().tolist())
 
 
+class _RowsChangedInPlace(KChooser):
+    """Broken: a row's rates updated in its lists, which a fork shares with the chooser it came from."""
+
+    def _row_add(self, row, new):
+        own = self.rows.setdefault(row, ([0.0] * self.kmax, [0.0] * self.kmax))
+        adaptive_mod._decayed_add(*own, new, adaptive_mod.ROW_DECAY)
+
+
+@pytest.mark.parametrize("cls", [KChooser, _RowsChangedInPlace])
+def test_forks_and_their_chooser_keep_apart(cls):
+    """Forks share the rows they do not step with the chooser they came from: whichever of them observes more later,
+    the other's rates stay what they were (the chosen fork replaces the chooser; the rest are dropped)."""
+    start = [2, 1, 2, 0, 3, 2, 3, 1]  # rows 0 and 1 of K up to 2, each seen
+    more = [c + 1 for c in start]  # both rows step once more
+    base = cls((1, 2))
+    base.observe(start)
+    fork = base.after_step(0, 2, 1)
+    fork_row1 = fork.row_rates(1)
+    base.observe(more)
+    kept = fork.row_rates(1) == fork_row1
+    base_row0 = base.row_rates(0)
+    base.after_step(1, 1, 0).observe([c + 2 for c in start])
+    kept = kept and base.row_rates(0) == base_row0
+    assert kept == (cls is KChooser)
+
+
 class _LateWithoutProgress(ChoiceAhead):
     """Broken: a batch's next K priced at the lengths before the running replay."""
 

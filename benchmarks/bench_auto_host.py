@@ -1,0 +1,167 @@
+"""Where adaptive K's call time goes at one batch bucket: the chooser's host work, or the Ks it chose.
+
+    python benchmarks/bench_auto_host.py [--batch-size 8] [--prompts 16] [--max-k 8] [--fixed 1,4]
+        [--rounds 21] [--device cuda]
+
+One auto engine (the embedded pair, bf16 on CUDA, max_len 512, the one bucket B, greedy) runs bench_adaptive's
+three workloads under these choosers, taking turns call by call:
+
+  auto          the engine's own chooser (``adaptive.ChoiceAhead``)
+  auto no-fork  the same, without choosing ahead for each outcome where one row is busy (MAX_FORK_ROWS = 0)
+  replayed      the Ks auto chose in its last call, replayed with no chooser work at all
+  K=k           each K of --fixed at every replay, with no chooser work
+
+Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
+is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
+Per chooser: the median wall time of a generate call (the garbage collector off), replays and prefills per
+call, and, from one more call with the chooser's methods timed, its host microseconds per replay, apart for
+replays with one busy row and with more.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
+from bench_adaptive import MAX_LEN, WORKLOADS, workloads  # noqa: E402
+from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph import runtime as sg_runtime  # noqa: E402
+from spec_graph.adaptive import ChoiceAhead  # noqa: E402
+from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
+
+
+class Scripted:
+    """In place of ChoiceAhead: the Ks of ``script`` (an int: that K always), and no other work."""
+
+    script: list[int] | int = 4
+
+    def __init__(self, chooser, choose):
+        s = Scripted.script
+        self._ks = iter(s) if isinstance(s, list) else None
+        self._last = s if isinstance(s, int) else s[-1]
+
+    def pick(self, lens):
+        if self._ks is not None:
+            self._last = next(self._ks, self._last)
+        return self._last
+
+    def admit(self, row): pass
+    def rows_changed(self): pass
+    def ahead(self, k, n, lens): pass
+    def seen(self, counts, lens): pass
+
+
+class Timed(ChoiceAhead):
+    """ChoiceAhead with its host time per replay added up, by busy rows (one, or more)."""
+
+    spent: dict = collections.defaultdict(float)
+    replays: dict = collections.defaultdict(int)
+
+    def _timed(name):
+        def wrap(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return getattr(ChoiceAhead, name)(self, *args)
+            finally:
+                lens = args[-1] if name in ("pick", "ahead", "seen") else {}
+                Timed.spent["one row" if len(lens) == 1 else "more rows"] += time.perf_counter() - t0
+                if name == "pick":
+                    Timed.replays["one row" if len(lens) == 1 else "more rows"] += 1
+        return wrap
+
+    pick, ahead, seen = _timed("pick"), _timed("ahead"), _timed("seen")
+    admit, rows_changed = _timed("admit"), _timed("rows_changed")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-k", type=int, default=8, help="max_speculative_tokens (K choices: 1, 2, 3, 4, 6, 8 up to it)")
+    ap.add_argument("--fixed", default="1,4")
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--device", default=None)
+    a = ap.parse_args()
+    fixed = [int(x) for x in a.fixed.split(",") if x]
+    B = a.batch_size
+    cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=a.max_k, max_batch_size=B,
+                          max_len=MAX_LEN, batch_buckets=(B,), device=a.device)
+    dec = SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", cfg)
+    plat = sg_platform.get(a.device)
+    print(f"{plat.device_name()}; torch {torch.__version__}; K choices {dec.k_choices}", flush=True)
+    wl = {w: p[: a.prompts] for w, p in workloads(a.prompts).items()}
+    t0 = time.perf_counter()
+    dec.generate([wl["stdlib"][0][:16]], 4)
+    print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
+    real = sg_runtime.ChoiceAhead
+    names = ["auto", "auto no-fork", "replayed"] + [f"K={k}" for k in fixed]
+    last_ks: dict = {}
+
+    def call(name, w):
+        fork_rows = ChoiceAhead.MAX_FORK_ROWS
+        if name.startswith("K=") or name == "replayed":
+            Scripted.script = int(name[2:]) if name.startswith("K=") else last_ks[w]
+            sg_runtime.ChoiceAhead = Scripted
+        elif name == "auto no-fork":
+            ChoiceAhead.MAX_FORK_ROWS = 0
+        try:
+            plat.synchronize()
+            t = time.perf_counter()
+            out = dec.generate(wl[w], a.max_new_tokens)
+            wall = time.perf_counter() - t
+        finally:
+            sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
+        if name == "auto":
+            last_ks[w] = list(out.stats.k_per_step)
+        return wall, out
+
+    res = collections.defaultdict(list)
+    tokens = {}
+    for w in WORKLOADS:  # untimed: prefill graphs of each shape the calls admit
+        for name in names:
+            _, out = call(name, w)
+            tokens[(name, w)] = [r.token_ids for r in out]
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(a.rounds):
+            for w in WORKLOADS:
+                for name in names:
+                    wall, out = call(name, w)
+                    res[(name, w)].append((wall, out.stats))
+    finally:
+        gc.enable()
+    for w in WORKLOADS:
+        print(f"\n{w}: {a.prompts} prompts, B={B}, {a.max_new_tokens} new tokens, median of {a.rounds} calls")
+        print("| chooser | ms per call | min | replays | prefills | tok/step | mean K | tokens as auto's |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in names:
+            walls = [x[0] for x in res[(name, w)]]
+            st = res[(name, w)][-1][1]
+            same = tokens[(name, w)] == tokens[("auto", w)]
+            print(f"| {name} | {1e3 * statistics.median(walls):.2f} | {1e3 * min(walls):.2f} | {st.steps} | "
+                  f"{st.prefills} | {st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | "
+                  f"{'yes' if same else 'no'} |")
+        Timed.spent.clear()
+        Timed.replays.clear()
+        sg_runtime.ChoiceAhead = Timed
+        try:
+            call("auto", w)
+        finally:
+            sg_runtime.ChoiceAhead = real
+        print("- auto's chooser, host us per replay: " + ", ".join(
+            f"{k} {1e6 * Timed.spent[k] / max(n, 1):.1f} ({n} replays)" for k, n in sorted(Timed.replays.items())))
+
+
+if __name__ == "__main__":
+    main()
