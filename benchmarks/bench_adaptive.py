@@ -175,13 +175,15 @@ def summary(calls: list) -> dict:
     n = sum(s.generated_tokens for s in stats)
     ks = [k for s in stats for k in (getattr(s, "k_per_step", None) or [])]
     mid = statistics.median(rates)
-    return dict(tps=mid, spread=(max(rates) - min(rates)) / mid, tps_step=n / sum(s.request_steps for s in stats),
+    return dict(tps=mid, calls=len(rates), spread=(max(rates) - min(rates)) / mid,
+                tps_step=n / sum(s.request_steps for s in stats),
                 ms_replay=statistics.median(replay_ms),
                 acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
                 kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
 
 
-def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> None:
+def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, save=lambda: None) -> None:
+    """One engine's runs; ``save()`` after each round writes the report so far (a run cut short keeps it)."""
     k, verification = key
     t0 = time.time()
     dec = build(k, verification, B, a)
@@ -214,6 +216,7 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list) -> 
                                  f"(spread {r['spread']:.1%}), {r['tps_step']:.2f} tok/step, "
                                  f"{r['ms_replay']:.3f} ms/replay"
                                  + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
+            save()
     line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
@@ -302,11 +305,18 @@ def targets(res, a) -> list[str]:
     return L or ["- no target could be checked (variants missing)"]
 
 
+def _calls(res, a) -> str:
+    """How many timed calls the cells hold: --repeats, or fewer where the run was cut short."""
+    ns = sorted({r["calls"] for r in res.values()}) or [0]
+    got = str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+    return got if ns == [a.repeats] else f"{got} (of {a.repeats} asked: the run was cut short)"
+
+
 def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
     L = report_head("bench_adaptive", "bench_adaptive.py", dev_name) + [
          f"- embedded default pair, max_len {MAX_LEN}, {a.max_new_tokens} new tokens, steps_per_graph "
          f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
-         f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {a.repeats} timed generate "
+         f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {_calls(res, a)} timed generate "
          f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; spread: (max - "
          f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
@@ -366,7 +376,8 @@ def main():
         for key, modes in engine_plan(a).items():
             progress(f"engine B={B} K={key[0]} {key[1]} ({', '.join(modes)})")
             try:
-                run_engine(key, modes, B, prompts, a, res, notes)
+                run_engine(key, modes, B, prompts, a, res, notes,
+                           lambda: write(out, prev, report(res, notes, errors, a, dev_name, time.time() - t_start)))
             except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' numbers
                 traceback.print_exc()
                 why = str(e).splitlines()[0][:200] if str(e) else ""
@@ -378,7 +389,7 @@ def main():
 
 
 def write(out: Path, prev: str, lines: list[str]) -> None:
-    """The report appended to what the file held before the run; rewritten after every engine, so a run
+    """The report appended to what the file held before the run; rewritten after every round of calls, so a run
     cut short still leaves what it measured."""
     out.write_text(prev.rstrip() + "\n\n" + "\n".join(lines) + "\n")
 

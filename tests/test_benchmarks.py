@@ -49,3 +49,48 @@ def test_bench_step_settings_reject_bad_input(pair, message):
         with pytest.raises(SystemExit, match=message):
             bench_step.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}", pair])
         assert linear_launch.ONE_STEP_ROWS == ROWS and inductor_config.fx_graph_cache is True
+
+
+class _Stats:
+    generated_tokens, steps, request_steps, acceptance_rate, k_per_step = 64, 16, 17, 0.5, [2] * 16
+
+
+class _FakeEngine:
+    """Stands in for an engine: every generate call takes a moment and returns the same stats."""
+
+    capture_report, step_times, host_times = {}, {}, {}
+
+    def generate(self, prompts, n, temperature=0.0, seed=0):
+        return type("Out", (), {"stats": _Stats()})()
+
+
+@pytest.mark.parametrize("cut_after", [None, 7])
+def test_bench_adaptive_keeps_the_rounds_of_a_run_cut_short(monkeypatch, tmp_path, cut_after):
+    """Each finished round of timed calls is in the report at once, and the report says how many calls its medians
+    hold: a run stopped in its third round leaves the first two, said to be 2 of the 4 asked; a whole run says 4."""
+    import bench_adaptive
+
+    calls = []
+    real = bench_adaptive.timed_call
+
+    def timed(*args):
+        calls.append(1)
+        if cut_after is not None and len(calls) > cut_after:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(bench_adaptive, "build", lambda *a: _FakeEngine())
+    monkeypatch.setattr(bench_adaptive, "timed_call", timed)
+    out = tmp_path / "r.md"
+    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", "--k-set", "1", "--batch-sizes", "1", "--prompts", "2",
+                                      "--skip-sampling", "--skip-fixed", "--repeats", "4", "--out", str(out)])
+    monkeypatch.setattr(bench_adaptive, "workloads", lambda n: {w: [[1, 2, 3]] * n for w in bench_adaptive.WORKLOADS})
+    monkeypatch.setattr(bench_adaptive.sg_platform, "get", lambda d: type("P", (), {"device_name": lambda s: "x"})())
+    if cut_after is None:
+        bench_adaptive.main()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            bench_adaptive.main()
+    text = out.read_text()
+    said = "the median of 4 timed" if cut_after is None else "the median of 2 (of 4 asked: the run was cut short)"
+    assert said in text and "| 1 | greedy | auto | token |" in text, text
