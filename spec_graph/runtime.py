@@ -167,6 +167,9 @@ class DecoderBase(StepTimes):
         # where it outlasts the replay), added once per replay to every K's steps; measured where the steps are
         self.host_times: dict = {}
         self.k_counts = torch.zeros(self.rows, 2 * self.K, dtype=torch.long, device=dev)  # per state row
+        # Per state row, the cache positions its requests (or a capture's runs) may have written since it was last
+        # cleared: past them the caches hold the zeros they were made with. Unknown (all) until a first admission.
+        self._written_below = [self.cache_len] * self.rows
         self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
         self._generate_lock = threading.Lock()
@@ -231,14 +234,31 @@ class DecoderBase(StepTimes):
         prefill's kv_len and the live-length kernel do); if not, a slot's old contents are read, masked."""
         return False
 
-    def _zero_slots(self, slots: torch.Tensor) -> None:
-        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v. Zeroing
-        # a slot costs a pass over max_len positions of every layer, so only where old positions are read.
+    def _zero_slots(self, slots: torch.Tensor, upto: int | None = None) -> None:
+        """Zero positions [0, upto) of these slots' caches (None: all of them)."""
+        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v. Only where
+        # old positions are read, and only below where earlier requests wrote: its cost follows their lengths,
+        # not max_len.
         if self._reads_live_only():
             return
         for kc, vc in (self.target_kv, self.draft_kv):
-            kc[:, slots] = 0
-            vc[:, slots] = 0
+            kc[:, slots, :, :upto] = 0
+            vc[:, slots, :, :upto] = 0
+
+    def _caches_touched(self) -> None:
+        """Runs outside any request (capture, timing) wrote the caches at positions of their own: every slot is
+        zeroed whole at its next admission."""
+        self._written_below = [self.cache_len] * self.rows
+
+    def _admitted(self, slots: list[int], lens: list[int], max_new: list[int], T: int) -> int:
+        """Records where the requests now in ``slots`` can write, and returns the positions to clear first: below
+        where the slots' earlier requests could. A request writes its prefill's T positions (padding included),
+        then at most K + 1 past its committed length per step, that length staying within its prompt and
+        max_new; a finished or free row's step writes scratch at its last length, the same bound."""
+        upto = max(self._written_below[s] for s in slots)
+        for s, n, m in zip(slots, lens, max_new):
+            self._written_below[s] = min(self.cache_len, max(T, n + m + 2 * self.K + 2))
+        return upto
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
                  params: SamplingParams) -> list[bool]:
@@ -261,7 +281,8 @@ class DecoderBase(StepTimes):
         rows[:, T:] = torch.tensor([[len(p), s, m, seed, top_k] for p, s, m, seed in zip(prompts, slots, max_new, seeds)])
         floats = torch.tensor([[max(params.temperature, 1e-5), params.top_p]] * n, dtype=torch.float32)
         rows, floats = rows.to(self.device), floats.to(self.device)
-        self._zero_slots(rows[:, T + 1])
+        upto = self._admitted(slots, [len(p) for p in prompts], max_new, T)
+        self._zero_slots(rows[:, T + 1], None if upto >= self.cache_len else upto)
         return self._prefill_run(rows, floats, params.greedy).tolist()
 
     @torch.inference_mode()  # captured or not: the same (inference) tensors reach a compiled forward's guards
@@ -395,6 +416,7 @@ class DecoderBase(StepTimes):
                          time.perf_counter() - t0, "" if mem0 is None else f", pool +{(mem1 - mem0) / 2**20:.1f} MiB")
             if self.config.adaptive and self.graphs is not None:
                 self._time_steps(greedy)
+        self._caches_touched()
         self._captured_modes.add(greedy)
 
     def reset_graphs(self, steps_per_graph: int | None = None) -> None:

@@ -80,6 +80,7 @@ class StepTimes:
         finally:
             for k, v in snap.items():
                 st[k].copy_(v)
+            self._caches_touched()  # the timed steps wrote every row's caches
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays

@@ -248,7 +248,7 @@ def run_compiled_script(script: str, *args, skip_without_ptxas: bool = False):
 def nan_past(position: int):
     """A ``_zero_slots`` that zeroes a slot's caches, then fills every position from ``position`` on with NaN:
     garbage that a forward reading past its own positions would meet (masked, 0 * NaN is still NaN)."""
-    def zero_then_nan(self, slots):
+    def zero_then_nan(self, slots, upto=None):
         for kc, vc in (self.target_kv, self.draft_kv):
             for c in (kc, vc):
                 c[:, slots] = 0

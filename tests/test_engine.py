@@ -256,6 +256,52 @@ def test_eager_steps_read_their_span_alone(llama_pair, references, monkeypatch, 
         assert {r.finish_reason for r in out} == {"error"}, [r.finish_reason for r in out]
 
 
+class _BoundWithoutSteps(SpecDecoder):
+    """Broken: a slot's writes bounded by its prompt and max_new alone, without what a step writes past them."""
+
+    def _admitted(self, slots, lens, max_new, T):
+        upto = super()._admitted(slots, lens, max_new, T)
+        for s, n, m in zip(slots, lens, max_new):
+            self._written_below[s] = max(T, n + m)
+        return upto
+
+
+def _written_past_bound(dec) -> list[int]:
+    """The slots with a nonzero cache value at or past the position their bookkeeping says nothing was written."""
+    caches = (*dec.target_kv, *dec.draft_kv)
+    return [s for s, hi in enumerate(dec._written_below) if any(c[:, s, :, hi:].count_nonzero() for c in caches)]
+
+
+@pytest.mark.parametrize("cls", [SpecDecoder, _BoundWithoutSteps])
+def test_admission_clears_only_what_earlier_requests_wrote(llama_pair, references, monkeypatch, cls):
+    """Zeroing a slot at admission covers the positions its earlier requests (or the step's scratch writes once
+    they finished) may have written, not max_len: past that bound every cache position is still the zeros it was
+    made with, after calls that reuse slots, cut requests short, take three steps per replay and choose K per
+    step; later admissions clear no more than that bound, and tokens stay HF's. Broken: a bound without the
+    positions a step writes past a request's length (a finished row's steps still write there)."""
+    import spec_graph.engine as engine_mod
+
+    cleared = []
+    real = engine_mod.SpecDecoder._zero_slots
+    monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots",
+                        lambda self, slots, upto=None: (cleared.append(upto), real(self, slots, upto))[1])
+    target, draft = llama_pair
+    bad = []
+    for K, n in ((3, 1), ("auto", 3)):
+        dec = cls.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=K, max_len=1024,
+                                                                 max_batch_size=2, steps_per_graph=n,
+                                                                 max_speculative_tokens=4))
+        assert not dec._reads_live_only()  # eager on a CPU: old positions are read, masked
+        for new in (20, 7):
+            cleared.clear()
+            out = dec.generate(PROMPTS, max_new_tokens=new)
+            assert [r.token_ids for r in out] == [ref[:new] for ref in references]
+            bad += _written_past_bound(dec)
+            if cls is SpecDecoder and new == 7:  # the second call: every slot's bound is known
+                assert cleared and all(u is not None and u <= 11 + 20 + 2 * 4 + 2 for u in cleared), cleared
+    assert (bad == []) == (cls is SpecDecoder), bad
+
+
 # ---------------------------------------------------------------- bad input
 def test_error_vocab_mismatch(tmp_path, llama_pair):
     target, _ = llama_pair
