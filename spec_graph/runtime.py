@@ -519,10 +519,11 @@ class DecoderBase(StepTimes):
                 return
             idx = torch.tensor(slots, device=self.device)
             st = self.state
-            # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot
+            # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot; a request
+            # commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
+            L = min(max_new_tokens, self.out_buf.shape[1])
             rows = torch.cat((torch.stack((st["n_out"][idx], st["error"][idx].long(), st["steps"][idx]), 1),
-                              self.out_buf[idx], self.acc_log[idx]), 1).tolist()
-            L = self.out_buf.shape[1]
+                              self.out_buf[idx, :L], self.acc_log[idx, :L]), 1).tolist()
             n_out, err, nsteps = ([r[i] for r in rows] for i in range(3))
             outs, accs = [r[3: 3 + L] for r in rows], [r[3 + L:] for r in rows]
             for j, s in enumerate(slots):
