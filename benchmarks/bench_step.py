@@ -277,6 +277,7 @@ def prime(dec: SpecDecoder, B: int, context: int | None = None) -> dict:
     dec._prefill(list(range(B)), prompts, [max_len - context] * B, list(range(B)), SamplingParams())
     if context > PRIME_PREFILL:
         dec.state["seq_lens"][:B] = context
+        dec._caches_touched()  # its steps now write past the admitted requests' bounds
     return {k: v.clone() for k, v in dec.state.items()}
 
 

@@ -256,8 +256,10 @@ class DecoderBase(StepTimes):
         then at most K + 1 past its committed length per step, that length staying within its prompt and
         max_new; a finished or free row's step writes scratch at its last length, the same bound."""
         upto = max(self._written_below[s] for s in slots)
+        cleared = not self._reads_live_only()  # else the old contents stay, below the old bound
         for s, n, m in zip(slots, lens, max_new):
-            self._written_below[s] = min(self.cache_len, max(T, n + m + 2 * self.K + 2))
+            bound = min(self.cache_len, max(T, n + m + 2 * self.K + 2))
+            self._written_below[s] = bound if cleared else max(bound, self._written_below[s])
         return upto
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],

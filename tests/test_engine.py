@@ -302,6 +302,17 @@ def test_admission_clears_only_what_earlier_requests_wrote(llama_pair, reference
     assert (bad == []) == (cls is SpecDecoder), bad
 
 
+def test_slots_left_uncleared_keep_their_old_bound(llama_pair):
+    """Where forwards read live positions alone, admission clears nothing: a slot's bound then stays at least what
+    its earlier requests wrote (longer prompts first, shorter after), so that an engine which later reads old
+    positions (TRITON_INTERPRET unset, say) clears them."""
+    target, draft = llama_pair
+    dec = decoder(target, draft, 3, max_len=1024, max_batch_size=2)
+    dec._reads_live_only = lambda: True
+    dec.generate(sorted(PROMPTS, key=len, reverse=True), max_new_tokens=20)
+    assert _written_past_bound(dec) == []
+
+
 # ---------------------------------------------------------------- bad input
 def test_error_vocab_mismatch(tmp_path, llama_pair):
     target, _ = llama_pair
