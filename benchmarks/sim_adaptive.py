@@ -1,7 +1,7 @@
 """Adaptive K's choices priced with a device's step times, on any machine: which chooser settings would win.
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
-        [--overhead 0.09] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
+        [--overhead 0.09] [--prefill-ms 0] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
         [--device cpu] [--prior-shrinks 0.9:4] [--seeds 0,1,2] [--variants all|engine] [--skip-fixed] [--oracle]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
@@ -12,7 +12,7 @@ for the embedded pair, and the host time per replay read from that run's fixed-K
 The chooser sees ``times[K]`` as its table, plus the overhead for the variants marked "+h"; each variant runs
 again blind to the work each row has left (the most tokens per second over the busy rows at every replay, as the
 engine chose before). Simulated tok/ms = generated tokens / priced
-time (prefills left out: equal for all).
+time (prefills left out, or each at --prefill-ms).
 
 --oracle (greedy, batch size 1) adds the most any choice of K per step could reach. Greedy output is the same for
 every K, so a step that starts at committed length c commits min(a(c), K) + 1 tokens, a(c) being how many of
@@ -57,11 +57,16 @@ def prior_as(*values: float):
     return settings_as(adaptive, **dict(zip(PRIOR_SETTINGS, values)))
 
 
-def priced(stats, times: dict, overhead: float, fixed_k=None) -> float:
-    """Generated tokens per priced ms (stats: one call's, or a list of calls' summed)."""
+def priced(stats, times: dict, overhead: float, fixed_k=None, prefill_ms: float = 0.0) -> float:
+    """Generated tokens per priced ms (stats: one call's, or a list of calls' summed); each prefill forward at
+    ``prefill_ms``."""
     runs = stats if isinstance(stats, list) else [stats]
     ms = sum(times[k] + overhead for s in runs for k in (s.k_per_step or [fixed_k] * s.steps))
-    return sum(s.generated_tokens for s in runs) / ms
+    return sum(s.generated_tokens for s in runs) / (ms + prefill_ms * sum(s.prefills for s in runs))
+
+
+def prefills(stats: list) -> str:
+    return "prefills per call " + " / ".join(f"{sum(s.prefills for s in runs) / len(runs):g}" for runs in stats)
 
 
 def draft_runs(dec: SpecDecoder, result) -> list[int]:
@@ -147,6 +152,9 @@ def main() -> None:
     ap.add_argument("--times", default="0.294,0.399,0.501,0.606,0.815,1.031", help="ms per step for each K of --k-set")
     ap.add_argument("--k-set", default="1,2,3,4,6,8")
     ap.add_argument("--overhead", type=float, default=0.09, help="host ms per replay added to every step")
+    ap.add_argument("--prefill-ms", type=float, default=0.0,
+                    help="ms per prefill forward (0: prefills left out; at batch 8 their count differs by K: rows "
+                         "finishing in one replay are admitted in one prefill)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -180,8 +188,9 @@ def main() -> None:
                           for seed in seeds]
     for k in ks if not a.skip_fixed else ():
         dec = engine(k, B, max(ks), a.device)
-        rows[f"K={k}"] = [priced(gen(dec, w), times, a.overhead, k) for w in ba.WORKLOADS]
-        print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]), flush=True)
+        out = [gen(dec, w) for w in ba.WORKLOADS]
+        rows[f"K={k}"] = [priced(s, times, a.overhead, k, a.prefill_ms) for s in out]
+        print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]) + f"  ({prefills(out)})", flush=True)
     decays = [float(x) for x in a.decays.split(",") if x]
     variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
                  h, (), by_row)
@@ -199,10 +208,10 @@ def main() -> None:
     for name, decay, with_h, prior, by_row in variants:
         with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior):
             out = [gen(dec, w) for w in ba.WORKLOADS]
-        rows[name] = [priced(s, times, a.overhead) for s in out]
+        rows[name] = [priced(s, times, a.overhead, prefill_ms=a.prefill_ms) for s in out]
         mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]
         print(f"{name}: " + " / ".join(f"{x:.3f}" for x in rows[name])
-              + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + ")", flush=True)
+              + "  (mean K " + " / ".join(f"{m:.2f}" for m in mean_k) + f"; {prefills(out)})", flush=True)
     if a.oracle:
         if a.temperature or B != 1:
             ap.error("--oracle prices greedy runs at batch size 1")
