@@ -371,18 +371,18 @@ def main():
     out = Path(a.out)
     prev = out.read_text() if out.exists() else "# Benchmark results\n"
     res, notes, errors = {}, [], {}
+    save = lambda: write(out, prev, report(res, notes, errors, a, dev_name, time.time() - t_start))  # noqa: E731
     for B, n in zip(a.batch_sizes, a.prompts):
         prompts = {w: p[:n] for w, p in wl.items()}
         for key, modes in engine_plan(a).items():
             progress(f"engine B={B} K={key[0]} {key[1]} ({', '.join(modes)})")
             try:
-                run_engine(key, modes, B, prompts, a, res, notes,
-                           lambda: write(out, prev, report(res, notes, errors, a, dev_name, time.time() - t_start)))
+                run_engine(key, modes, B, prompts, a, res, notes, save)
             except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' numbers
                 traceback.print_exc()
                 why = str(e).splitlines()[0][:200] if str(e) else ""
                 errors[f"B={B} K={key[0]} {key[1]}"] = f"{type(e).__name__}: {why}"
-            write(out, prev, report(res, notes, errors, a, dev_name, time.time() - t_start))
+            save()
     lines = report(res, notes, errors, a, dev_name, time.time() - t_start)
     write(out, prev, lines)
     print("\n".join(lines))

@@ -328,6 +328,35 @@ def test_engine_chooses_while_the_replay_runs(llama_pair, monkeypatch, order):
     assert _chooses_while_replays_run(events) == (order == "engine"), events
 
 
+class _RowExpectedWithoutPrior(KChooser):
+    """Broken: a row's expectation from its own counts alone, not drawn toward the pooled rates."""
+
+    def _row_expected(self, row, pooled, pooled_e):
+        own = self.rows.get(row)
+        return pooled_e if own is None else adaptive_mod._expected_by_k([a / max(r, 1e-9) for r, a in zip(*own)])
+
+
+@pytest.mark.parametrize("cls", [KChooser, _RowExpectedWithoutPrior])
+def test_row_expectation_in_one_pass_is_row_rates(cls):
+    """The chooser's one-pass expectation per row is ``_expected_by_k(row_rates(row))``, float for float, for rows
+    seen a little or much and rows not seen (the pooled expectation)."""
+    gen = torch.Generator().manual_seed(0)
+    c = cls((1, 2, 3, 4))
+    counts = torch.zeros(3, 8, dtype=torch.long)
+    for step in range(12):
+        accepted = torch.randint(-1, 5, (3,), generator=gen)
+        accepted[2] = -1  # row 2 never steps
+        adaptive_mod.count_acceptance(counts, accepted, 1 + step % 4)
+        c.observe(counts.flatten().tolist())
+        rates = c.rates()
+        pooled = adaptive_mod._expected_by_k(rates)
+        same = all(c._row_expected(r, rates, pooled) == adaptive_mod._expected_by_k(c.row_rates(r, rates))
+                   for r in range(3))
+        if not same:
+            break
+    assert same == (cls is KChooser)
+
+
 def test_after_step_is_the_devices_count():
     """A chooser's fork for row r taking K drafts and accepting a has seen what count_acceptance adds on the
     device, row r's rates and all: for every K, every outcome, a row inside a larger bucket; the neighbouring
