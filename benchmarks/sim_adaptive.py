@@ -2,7 +2,8 @@
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
         [--overhead 0.09] [--prefill-ms 0] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
-        [--device cpu] [--prior-shrinks 0.9:4] [--seeds 0,1,2] [--variants all|engine] [--skip-fixed] [--oracle]
+        [--device cpu] [--admission-wait W] [--prior-shrinks 0.9:4] [--seeds 0,1,2] [--variants all|engine]
+        [--skip-fixed] [--oracle]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
 ((i) held-out stdlib, (ii) random bytes, (iii) alternating) wherever it is, greedy (or sampled at --temperature
@@ -39,8 +40,10 @@ from bench_step import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 
-def engine(k, B: int, kmax: int, device: str) -> SpecDecoder:
+def engine(k, B: int, kmax: int, device: str, admission_wait: int | None = None) -> SpecDecoder:
     kw = dict(max_speculative_tokens=kmax) if k == ba.AUTO else {}
+    if admission_wait is not None:
+        kw["admission_wait"] = admission_wait
     cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=ba.MAX_LEN, device=device,
                           batch_buckets=(B,), **kw)
     return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
@@ -155,6 +158,9 @@ def main() -> None:
     ap.add_argument("--prefill-ms", type=float, default=0.0,
                     help="ms per prefill forward (0: prefills left out; at batch 8 their count differs by K: rows "
                          "finishing in one replay are admitted in one prefill)")
+    ap.add_argument("--admission-wait", type=int, default=None,
+                    help="the engines' SpecGraphConfig.admission_wait (slot-replays freed slots may wait to share a "
+                         "prefill; default: the config's)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -187,7 +193,7 @@ def main() -> None:
     gen = lambda dec, w: [dec.generate(wl[w], a.max_new_tokens, temperature=a.temperature, seed=seed).stats  # noqa
                           for seed in seeds]
     for k in ks if not a.skip_fixed else ():
-        dec = engine(k, B, max(ks), a.device)
+        dec = engine(k, B, max(ks), a.device, a.admission_wait)
         out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[f"K={k}"] = [priced(s, times, a.overhead, k, a.prefill_ms) for s in out]
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]) + f"  ({prefills(out)})", flush=True)
@@ -203,7 +209,7 @@ def main() -> None:
         label = ", ".join(f"{name} {v:g}" for name, v in zip(PRIOR_SETTINGS, prior))
         variants += [(f"auto decay {d} +h, {label}", d, True, prior, True) for d in decays]
     if variants:
-        dec = engine(ba.AUTO, B, max(ks), a.device)
+        dec = engine(ba.AUTO, B, max(ks), a.device, a.admission_wait)
         dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
     for name, decay, with_h, prior, by_row in variants:
         with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior):

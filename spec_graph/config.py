@@ -50,6 +50,11 @@ class SpecGraphConfig:
     enable_graph: capture the step in static graphs; None means on where the platform has graphs.
     steps_per_graph: speculative steps per captured graph replay (the host reads once per replay).
     passes: {fusion pass name: bool} to turn spec_graph backend passes on or off.
+    admission_wait: how long freed slots may wait for others to free so that their queued requests share one
+        prefill, in slot-replays (the free slots' idle replays added up; 0: admit at once). None (the default)
+        means max_batch_size: one replay's worth of the batch's work, about a prefill's cost for a large model (a
+        prefill costs about the same for one row as for several; a waiting slot, its share of a replay;
+        admission.py).
     verification: how sampled drafts are verified: "token" (token by token, Leviathan et al. / Chen et al.)
         or "block" (the drafts judged jointly, Sun et al. 2025: as lossless, never fewer accepted tokens in
         expectation). Greedy decoding is the same under both.
@@ -66,6 +71,7 @@ class SpecGraphConfig:
     passes: dict = field(default_factory=dict)
     verification: str = "token"
     max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
+    admission_wait: int | None = None
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -103,6 +109,9 @@ class SpecGraphConfig:
             check_enabled(self.passes)
         if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
+        if self.admission_wait is not None and (not _is_int(self.admission_wait) or self.admission_wait < 0):
+            raise ValueError(f"admission_wait must be a non-negative integer (slot-replays; 0 admits queued requests "
+                             f"at once) or None (max_batch_size), got {self.admission_wait!r}")
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
@@ -117,6 +126,11 @@ class SpecGraphConfig:
             return (self.num_speculative_tokens,)
         m = self.max_speculative_tokens
         return tuple(sorted({k for k in K_CHOICES if k < m} | {m}))
+
+    @property
+    def slot_replays_waited(self) -> int:
+        """admission_wait, None resolved: the slot-replays freed slots may wait to share a prefill."""
+        return self.max_batch_size if self.admission_wait is None else self.admission_wait
 
     @property
     def max_k(self) -> int:

@@ -21,8 +21,8 @@ from .models import load_model, parse_dtype, read_config
 from .models.config import pair_window, window_source
 from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
-from .runtime import (WRITEBACK, DecoderBase, GenerationOutput, GenerationResult, GenerationStats,  # noqa: F401
-                      load_tokenizer)
+from .results import GenerationOutput, GenerationResult, GenerationStats  # noqa: F401
+from .runtime import WRITEBACK, DecoderBase, load_tokenizer
 from .step import speculative_step
 
 log = logging.getLogger("spec_graph")

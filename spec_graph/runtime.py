@@ -17,16 +17,17 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .adaptive import ChoiceAhead, KChooser
+from .admission import admits_now
 from .capture import GraphSet
 from .config import WINDOW_SOURCE, SpecGraphConfig, check_text, check_window
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
+from .results import GenerationOutput, GenerationResult, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
 from .step_times import StepTimes
@@ -42,53 +43,6 @@ PREFILL_GRAPH_LEN = 512
 PREFILL_COLUMNS = 5
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop id, included in token_ids), "length" or "error"
-    prompt_token_ids: list[int] = field(default_factory=list)
-    accepted_counts: list[int] = field(default_factory=list)  # drafts accepted at each of its steps
-    k_per_step: list[int] = field(default_factory=list)  # drafts proposed (K) at each of its steps
-
-
-@dataclass
-class GenerationStats:
-    """What one ``generate`` call did.
-
-    A *request-step* is one request's share of a forward that commits its tokens: its prefill (which
-    commits its first token) and each speculative step it took part in. ``tokens_per_step`` is committed
-    tokens per request-step, so that it adds up::
-
-        tokens_per_step * request_steps == generated_tokens
-
-    (for a single prompt, ``request_steps == steps + 1``). The last step of a request counts only the tokens
-    it committed (``max_new_tokens`` or a stop token may cut it short); a request whose logits turned
-    non-finite counts the tokens it kept.
-    """
-
-    acceptance_rate: float  # accepted / proposed draft tokens
-    acceptance_rate_per_position: list[float]  # P(draft position j accepted), over the steps that proposed it
-    tokens_per_step: float  # generated_tokens / request_steps (see above)
-    steps: int  # speculative steps run (each is one target forward over the batch)
-    prefills: int  # prefill forwards run
-    generated_tokens: int
-    wall_time_s: float
-    request_steps: int = 0  # per request: 1 (its prefill) + the speculative steps it took part in
-    k_per_step: list[int] = field(default_factory=list)  # K of each step (num_speculative_tokens="auto" varies it)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class GenerationOutput(list):
-    """A list of GenerationResult, one per prompt, with ``.stats`` beside it."""
-
-    def __init__(self, results: list[GenerationResult], stats: GenerationStats):
-        super().__init__(results)
-        self.stats = stats
 
 
 def load_tokenizer(path: str):
@@ -549,10 +503,12 @@ class DecoderBase(StepTimes):
             done = sum(len(r.token_ids) for r in results if r is not None)
             progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
 
+        idle = 0  # slot-replays the free slots have waited with requests queued, since the last admission
         while pending or any(o is not None for o in owner):
             free = [s for s in range(S) if owner[s] is None]
-            admit = [(s, pending.popleft()) for s in free[: len(pending)]]
-            if admit:
+            if admits_now(len(free), len(pending), S - len(free), idle, self.config.slot_replays_waited):
+                admit = [(s, pending.popleft()) for s in free[: len(pending)]]
+                idle = 0
                 slots = [s for s, _ in admit]
                 for s, r in admit:
                     owner[s] = r
@@ -572,6 +528,8 @@ class DecoderBase(StepTimes):
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
             packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
             steps += N
+            if pending:
+                idle += S - len(busy)
             k_per_step += [K] * N
             for s in busy:
                 slot_ks[s] += [K] * N
