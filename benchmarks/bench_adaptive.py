@@ -3,7 +3,8 @@
     python benchmarks/bench_adaptive.py [--k-set 1,2,3,4,6,8] [--batch-sizes 1,8] [--prompts 8,16]
         [--max-new-tokens 128] [--sampling-ks 4[,auto]] [--skip-greedy | --skip-sampling] [--skip-block]
         [--repeats 9]
-        [--pin-in-auto] [--chooser-variants 0.85,0.95-h] [--device cuda] [--out benchmarks/RESULTS.md]
+        [--pin-in-auto] [--chooser-variants 0.85,0.95-h] [--admission-wait W] [--at-once-too auto,1,4]
+        [--device cuda] [--out benchmarks/RESULTS.md]
 
 Workloads, prompts of 96-128 byte tokens (prompt + 128 new tokens stays inside the pair's 256-token
 training window):
@@ -16,7 +17,9 @@ batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine i
 each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run).
 --chooser-variants runs auto's greedy workloads again with other choosers on the same graphs: another decay
 per row-step, and a host time per replay added to every K's step time ("+ms"), or the engine's own measured
-host time taken off it ("-h": the table of the replays alone).
+host time taken off it ("-h": the table of the replays alone). --at-once-too runs the runs it names again with
+queued requests admitted at once (admission_wait 0) where the engines wait (--admission-wait, by default
+max_batch_size slot-replays) for freed slots to share a prefill.
 
 A B=1 engine runs its prompts one after another inside one generate call, so "auto" carries what it learnt
 from request to request. Greedy at each fixed K of --k-set and at K="auto" (max_speculative_tokens = the
@@ -106,7 +109,8 @@ def engine_plan(a) -> dict:
 def build(k, verification: str, B: int, a) -> SpecDecoder:
     kw = dict(max_speculative_tokens=max(a.k_set)) if k == AUTO else {}
     cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=MAX_LEN, device=a.device,
-                          batch_buckets=(B,), verification=verification, steps_per_graph=a.steps_per_graph, **kw)
+                          batch_buckets=(B,), verification=verification, steps_per_graph=a.steps_per_graph,
+                          admission_wait=a.admission_wait, **kw)
     return SpecDecoder.from_pretrained(DEFAULT_PAIR / "target", DEFAULT_PAIR / "draft", cfg)
 
 
@@ -134,6 +138,16 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
         yield
     finally:
         sg_runtime.KChooser = real
+
+
+@contextlib.contextmanager
+def admission_as(dec: SpecDecoder, wait: int | None):
+    """The engine's admission_wait set to `wait` (None: the config's default) for the calls inside."""
+    old, dec.config.admission_wait = dec.config.admission_wait, wait
+    try:
+        yield
+    finally:
+        dec.config.admission_wait = old
 
 
 def chooser_variants(spec: str) -> list[tuple[str, float, float | None, bool]]:
@@ -202,13 +216,17 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
                      for name, d, h, rows in chooser_variants(a.chooser_variants)]
         if k == AUTO and verification == "token" and a.pin_in_auto and not a.skip_fixed:
             runs += [(pin, dict(pin=pin)) for pin in a.k_set]
+        # twins that admit queued requests at once (admission_wait 0): the same engine and graphs
+        runs += [(f"{kk} at once", {**how, "at_once": True}) for kk, how in runs if str(kk) in a.at_once_too]
         # Several runs on one engine (auto, its chooser variants, each K pinned) take turns, seed by seed, so that
         # a drift of the machine over the minutes they take falls on all of them alike.
         # Each round's cells go into res at once: a run that fails later leaves the rounds before it.
         calls: dict = collections.defaultdict(list)
         for seed in range(SEED, SEED + a.repeats):
             for kk, how in runs:
-                with chooser_as(**how) if how else contextlib.nullcontext():
+                how = dict(how)
+                wait = 0 if how.pop("at_once", False) else a.admission_wait
+                with chooser_as(**how) if how else contextlib.nullcontext(), admission_as(dec, wait):
                     for w in WORKLOADS:
                         calls[(kk, w)].append(timed_call(dec, prompts[w], temp, seed, a))
                         res[(B, mode, kk, verification, w)] = r = summary(calls[(kk, w)])
@@ -321,6 +339,8 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
          f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
          + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")
+         + f"admission_wait {'max_batch_size' if a.admission_wait is None else a.admission_wait} slot-replays"
+         + (" (\"at once\": 0); " if a.at_once_too else "; ")
          + f"whole run {elapsed / 60:.1f} min", ""]
     L += tables(res, a)
     L += ["", "Engines (load, first generate per mode = compile + capture):"] + notes
@@ -349,11 +369,17 @@ def parse_args():
     # A B=8 call takes 50-80 ms: over 3 calls the spread was 14-20% (one slow round), more than the gaps between K
     ap.add_argument("--repeats", type=int, default=9, help="timed calls per cell (seeds 0..N-1)")
     ap.add_argument("--steps-per-graph", type=int, default=1)
+    ap.add_argument("--admission-wait", type=int, default=None,
+                    help="the engines' SpecGraphConfig.admission_wait (default: the config's, max_batch_size)")
+    ap.add_argument("--at-once-too", default="",
+                    help="these runs (auto, its pinned K, ...: comma-separated) again with queued requests "
+                         "admitted at once (admission_wait 0), taking turns with the others on the same engine")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     a.k_set, a.batch_sizes, a.prompts = ints(a.k_set), ints(a.batch_sizes), ints(a.prompts)
+    a.at_once_too = [x for x in a.at_once_too.split(",") if x]
     a.sampling_ks = [x if x == AUTO else int(x) for x in a.sampling_ks.split(",") if x]
     if len(a.prompts) == 1:
         a.prompts *= len(a.batch_sizes)
