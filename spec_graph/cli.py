@@ -29,6 +29,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -81,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt + output (default: fits the request, at most the models' window)")
     g.add_argument("--max-batch-size", type=_positive_int, default=None,
                    help="request slots (default 8; with --exported the largest exported batch size)")
+    g.add_argument("--admission-wait", type=_non_negative_int, default=None,
+                   help="slot-replays freed slots may wait for others so that queued prompts share one prefill "
+                        "(default: the request slots; 0: admit at once)")
     g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16 or float16")
     g.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found)")
     g.add_argument("--threads", type=_positive_int, default=None,
@@ -256,6 +269,7 @@ def _generate(a) -> int:
                               max_len=a.max_len, dtype=a.dtype or "auto", device=a.device,
                               verification=a.verification or "token")
         dec = SpecDecoder.from_pretrained(target, draft, cfg)
+    dec.config.admission_wait = a.admission_wait  # (None: the config's default, for an export as well)
     bar = _Progress(enabled=not (a.json or a.quiet))
     try:
         out = dec.generate(prompts, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,

@@ -71,6 +71,19 @@ def test_verification_flag(capsys):
     assert run_cli(capsys, *base, "--verification", "joint")[0] == 2
 
 
+def test_admission_wait_flag(capsys):
+    """--admission-wait 0 admits each queued prompt as a slot frees; a long wait groups them (fewer prefills), with
+    the same tokens; a negative wait is refused."""
+    base = ["generate", "--json", "--max-new-tokens", "24", "--max-batch-size", "2", "--device", "cpu"]
+    for ids in ("100,101,102,32", "105,109", "40,41,42", "50", "60,61,62,63,64,65"):
+        base += ["--prompt-ids", ids]
+    runs = [json.loads(run_cli(capsys, *base, "--admission-wait", w)[1]) for w in ("0", "1000")]
+    assert [o["token_ids"] for o in runs[0]["outputs"]] == [o["token_ids"] for o in runs[1]["outputs"]]
+    assert runs[1]["stats"]["prefills"] < runs[0]["stats"]["prefills"]
+    code, _, err = run_cli(capsys, *base, "--admission-wait", "-1")
+    assert code == 2 and "--admission-wait: expected a non-negative integer" in err
+
+
 def test_explicit_pair(capsys, llama_pair):
     t, d = llama_pair
     code, out, _ = run_cli(capsys, "generate", "--target", str(t), "--draft", str(d), "--prompt-ids", "5,6,7",
