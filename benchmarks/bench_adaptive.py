@@ -19,7 +19,7 @@ each K in turn: the same captured graphs as auto's, and one compile for the lot 
 per row-step, and a host time per replay added to every K's step time ("+ms"), or the engine's own measured
 host time taken off it ("-h": the table of the replays alone). --at-once-too runs the runs it names again with
 queued requests admitted at once (admission_wait 0) where the engines wait (--admission-wait, by default
-max_batch_size slot-replays) for freed slots to share a prefill.
+max_batch_size slot-steps) for freed slots to share a prefill.
 
 A B=1 engine runs its prompts one after another inside one generate call, so "auto" carries what it learnt
 from request to request. Greedy at each fixed K of --k-set and at K="auto" (max_speculative_tokens = the
@@ -339,7 +339,7 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
          f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
          + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")
-         + f"admission_wait {'max_batch_size' if a.admission_wait is None else a.admission_wait} slot-replays"
+         + f"admission_wait {'max_batch_size' if a.admission_wait is None else a.admission_wait} slot-steps"
          + (" (\"at once\": 0); " if a.at_once_too else "; ")
          + f"whole run {elapsed / 60:.1f} min", ""]
     L += tables(res, a)

@@ -159,7 +159,7 @@ def main() -> None:
                     help="ms per prefill forward (0: prefills left out; at batch 8 their count differs by K: rows "
                          "finishing in one replay are admitted in one prefill)")
     ap.add_argument("--admission-wait", type=int, default=None,
-                    help="the engines' SpecGraphConfig.admission_wait (slot-replays freed slots may wait to share a "
+                    help="the engines' SpecGraphConfig.admission_wait (slot-steps freed slots may wait to share a "
                          "prefill; default: the config's)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch-size", type=_positive_int, default=None,
                    help="request slots (default 8; with --exported the largest exported batch size)")
     g.add_argument("--admission-wait", type=_non_negative_int, default=None,
-                   help="slot-replays freed slots may wait for others so that queued prompts share one prefill "
+                   help="slot-steps freed slots may wait for others so that queued prompts share one prefill "
                         "(default: the request slots; 0: admit at once)")
     g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16 or float16")
     g.add_argument("--device", default=None, help="cuda, npu or cpu (default: the best found)")
@@ -138,7 +138,7 @@ def _load_exported(a):
     if fixed:
         raise ValueError(f"with --exported the package fixes the models, K, max_len, dtype and the (token) "
                          f"verification: drop {', '.join(fixed)}")
-    return load_exported(a.exported, device=a.device, max_batch_size=a.max_batch_size)
+    return load_exported(a.exported, device=a.device, max_batch_size=a.max_batch_size, admission_wait=a.admission_wait)
 
 
 def _physical_cores() -> int:
@@ -264,9 +264,8 @@ def _generate(a) -> int:
                                                              {"max_speculative_tokens": a.max_speculative_tokens}),
                               max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,
                               max_len=a.max_len, dtype=a.dtype or "auto", device=a.device,
-                              verification=a.verification or "token")
+                              verification=a.verification or "token", admission_wait=a.admission_wait)
         dec = SpecDecoder.from_pretrained(target, draft, cfg)
-    dec.config.admission_wait = a.admission_wait  # (None: the config's default, for an export as well)
     bar = _Progress(enabled=not (a.json or a.quiet))
     try:
         out = dec.generate(prompts, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,

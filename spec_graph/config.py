@@ -51,10 +51,10 @@ class SpecGraphConfig:
     steps_per_graph: speculative steps per captured graph replay (the host reads once per replay).
     passes: {fusion pass name: bool} to turn spec_graph backend passes on or off.
     admission_wait: how long freed slots may wait for others to free so that their queued requests share one
-        prefill, in slot-replays (the free slots' idle replays added up; 0: admit at once). None (the default)
-        means max_batch_size: one replay's worth of the batch's work, about a prefill's cost for a large model (a
-        prefill costs about the same for one row as for several; a waiting slot, its share of a replay;
-        admission.py).
+        prefill, in slot-steps (the free slots' idle steps added up; 0: admit at once). None (the default) means
+        max_batch_size: one step's worth of the batch's work (a prefill costs about the same for one row as for
+        several; a waiting slot, its share of each step; admission.py). One free slot waits at most that many
+        steps.
     verification: how sampled drafts are verified: "token" (token by token, Leviathan et al. / Chen et al.)
         or "block" (the drafts judged jointly, Sun et al. 2025: as lossless, never fewer accepted tokens in
         expectation). Greedy decoding is the same under both.
@@ -109,9 +109,7 @@ class SpecGraphConfig:
             check_enabled(self.passes)
         if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
-        if self.admission_wait is not None and (not _is_int(self.admission_wait) or self.admission_wait < 0):
-            raise ValueError(f"admission_wait must be a non-negative integer (slot-replays; 0 admits queued requests "
-                             f"at once) or None (max_batch_size), got {self.admission_wait!r}")
+        self.slot_steps_waited  # noqa: B018 - checks admission_wait
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
@@ -128,9 +126,14 @@ class SpecGraphConfig:
         return tuple(sorted({k for k in K_CHOICES if k < m} | {m}))
 
     @property
-    def slot_replays_waited(self) -> int:
-        """admission_wait, None resolved: the slot-replays freed slots may wait to share a prefill."""
-        return self.max_batch_size if self.admission_wait is None else self.admission_wait
+    def slot_steps_waited(self) -> int:
+        """admission_wait, None resolved and checked (it may be set after construction): the slot-steps freed slots
+        may wait to share a prefill."""
+        w = self.admission_wait
+        if w is not None and (not _is_int(w) or w < 0):
+            raise ValueError(f"admission_wait must be a non-negative integer (slot-steps; 0 admits queued requests at "
+                             f"once) or None (max_batch_size), got {w!r}")
+        return self.max_batch_size if w is None else w
 
     @property
     def max_k(self) -> int:

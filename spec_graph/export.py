@@ -542,12 +542,13 @@ class ExportedRunner(DecoderBase):
 
 
 def load_exported(path, device: str | None = None, max_batch_size: int | None = None,
-                  enable_graph: bool | None = None, steps_per_graph: int = 1) -> ExportedRunner:
+                  enable_graph: bool | None = None, steps_per_graph: int = 1,
+                  admission_wait: int | None = None) -> ExportedRunner:
     """Load an export written by ``spec-graph export``; imports no model code and reads no checkpoint.
 
     ``max_batch_size`` (request slots) defaults to the largest exported batch
-    size and may not exceed it. Every member's sha256 is checked against the
-    metadata before anything is loaded (a damaged library would crash the
+    size and may not exceed it; ``admission_wait`` is ``SpecGraphConfig``'s.
+    Every member's sha256 is checked against the metadata before anything is loaded (a damaged library would crash the
     process). On CUDA/NPU the step is captured in a static graph per batch
     size unless ``enable_graph=False``.
     """
@@ -574,7 +575,7 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
                           "larger --batch-sizes")
     cfg = SpecGraphConfig(num_speculative_tokens=meta["num_speculative_tokens"], max_batch_size=int(S),
                           max_len=meta["max_len"], dtype=meta["dtype"], device=built, batch_buckets=tuple(sizes),
-                          enable_graph=enable_graph, steps_per_graph=steps_per_graph)
+                          enable_graph=enable_graph, steps_per_graph=steps_per_graph, admission_wait=admission_wait)
     use_graphs = plat.supports_graphs and enable_graph is not False
     with zipfile.ZipFile(path) as z:
         # Every file is checked before any is loaded: a library truncated inside an intact zip would kill the

@@ -450,6 +450,7 @@ class DecoderBase(StepTimes):
         t0 = time.perf_counter()
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
+        wait = self.config.slot_steps_waited
         self._capture(params.greedy, len(encoded))
         req_seeds = [request_seed(seed, i) for i in range(len(encoded))]
 
@@ -503,10 +504,10 @@ class DecoderBase(StepTimes):
             done = sum(len(r.token_ids) for r in results if r is not None)
             progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
 
-        idle = 0  # slot-replays the free slots have waited with requests queued, since the last admission
+        idle = 0  # slot-steps the free slots have waited with requests queued, since the last admission
         while pending or any(o is not None for o in owner):
             free = [s for s in range(S) if owner[s] is None]
-            if admits_now(len(free), len(pending), S - len(free), idle, self.config.slot_replays_waited):
+            if admits_now(len(free), len(pending), S - len(free), idle, wait):
                 admit = [(s, pending.popleft()) for s in free[: len(pending)]]
                 idle = 0
                 slots = [s for s, _ in admit]
@@ -529,7 +530,7 @@ class DecoderBase(StepTimes):
             packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
             steps += N
             if pending:
-                idle += S - len(busy)
+                idle += (S - len(busy)) * N
             k_per_step += [K] * N
             for s in busy:
                 slot_ks[s] += [K] * N

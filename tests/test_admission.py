@@ -1,4 +1,4 @@
-"""Admission: freed slots wait (config.admission_wait slot-replays) so that queued requests share a prefill."""
+"""Admission: freed slots wait (config.admission_wait slot-steps) so that queued requests share a prefill."""
 import pytest
 from helpers import hf_greedy
 
@@ -42,24 +42,41 @@ def test_config_refuses_a_bad_wait():
             SpecGraphConfig(admission_wait=bad)
 
 
-def test_the_default_wait_is_one_replay_of_the_batch():
+def test_the_default_wait_is_one_step_of_the_batch():
     import dataclasses
 
     cfg = SpecGraphConfig(max_batch_size=8)
-    assert cfg.admission_wait is None and cfg.slot_replays_waited == 8
-    assert dataclasses.replace(cfg, max_batch_size=32).slot_replays_waited == 32  # follows the slots it is for
-    assert SpecGraphConfig(max_batch_size=8, admission_wait=0).slot_replays_waited == 0
+    assert cfg.admission_wait is None and cfg.slot_steps_waited == 8
+    assert dataclasses.replace(cfg, max_batch_size=32).slot_steps_waited == 32  # follows the slots it is for
+    assert SpecGraphConfig(max_batch_size=8, admission_wait=0).slot_steps_waited == 0
+
+
+def test_a_wait_set_after_construction_is_checked_before_any_work(llama_pair):
+    dec = decoder(llama_pair, 0)
+    dec.config.admission_wait = "8"
+    with pytest.raises(ValueError, match="admission_wait must be a non-negative integer.*got '8'"):
+        dec.generate(PROMPTS, NEW)
+    dec.config.admission_wait = 2
+    assert len(dec.generate(PROMPTS[:2], 4)) == 2
 
 
 def _trace(monkeypatch):
-    """Records each admission check's arguments and answer."""
-    calls, real = [], runtime_mod.admits_now
+    """Records each admission check as ("check", free, pending, busy, idle, wait, answer), and each replay as
+    ("replay", steps, slots free in it)."""
+    events, real = [], runtime_mod.admits_now
 
     def traced(*args):
-        calls.append((*args, real(*args)))
-        return calls[-1][-1]
+        events.append(("check", *args, real(*args)))
+        return events[-1][-1]
     monkeypatch.setattr(runtime_mod, "admits_now", traced)
-    return calls
+    run = runtime_mod.DecoderBase._run_steps
+
+    def replay(self, *args, **kw):
+        S = self.config.max_batch_size  # a busy row is active: rows end (finish) in the host loop before a replay
+        events.append(("replay", self.config.steps_per_graph, S - int(self.state["active"][:S].sum())))
+        return run(self, *args, **kw)
+    monkeypatch.setattr(runtime_mod.DecoderBase, "_run_steps", replay)
+    return events
 
 
 def check_waits_share_prefills(pair, references):
@@ -82,40 +99,85 @@ def test_a_rule_without_the_wait_is_caught(llama_pair, references, monkeypatch):
         check_waits_share_prefills(llama_pair, references)
 
 
-def check_idle_counts_slot_replays(pair, references, monkeypatch, wait=3):
-    calls = _trace(monkeypatch)
-    out = decoder(pair, wait).generate(PROMPTS, NEW)
-    assert [r.token_ids for r in out] == references
-    # Between admissions, each check's idle count grows by the slots that were free over the replay before it
-    # (all of them waiting: more requests were queued than slots free).
-    for (f0, p0, b0, i0, _, a0), (f1, p1, b1, i1, _, _) in zip(calls, calls[1:]):
-        if p0 == 0 or a0:
-            continue
-        assert i1 == i0 + f0, (calls, wait)
-    admitted = [c for c in calls if c[-1]]
-    assert len(admitted) == out.stats.prefills
-    assert any(c[3] > c[0] for c in calls), "no slot waited more than one replay: the inputs miss that path"
-    assert any(c[2] and c[0] < c[1] and c[3] >= wait for c in admitted), "no admission ended a wait"
+def check_idle_counts_slot_steps(pair, monkeypatch, prompts, expected, wait=3, stop=None, **cfg):
+    events = _trace(monkeypatch)
+    out = decoder(pair, wait, **cfg).generate(prompts, NEW, stop_token_ids=stop)
+    assert [r.token_ids for r in out] == expected
+    checks = [i for i, e in enumerate(events) if e[0] == "check"]
+    for i, j in zip(checks, checks[1:]):
+        _, free, pending, busy, idle, _, admitted = events[i]
+        queued = pending - (min(free, pending) if admitted else 0)
+        # idle restarts at an admission, then grows by each replay's steps times the slots free in it (rows that
+        # ended in their prefill included), while requests stay queued
+        grown = sum(e[1] * e[2] for e in events[i + 1: j]) if queued else 0
+        assert events[j][4] == (0 if admitted else idle) + grown, (events[i:j + 1], wait)
+    admissions = [events[i] for i in checks if events[i][-1]]
+    assert len(admissions) == out.stats.prefills
+    assert all(e[3] == 0 or e[1] >= e[2] or e[4] >= wait for e in admissions)
+    # the inputs reach every path: a wait over several replays, admissions that end a wait, a replay after an
+    # admission with requests still queued
+    assert any(events[i][4] > events[i][1] for i in checks), "no slot waited over a replay"
+    assert any(e[3] and e[1] < e[2] and e[4] >= wait for e in admissions), "no admission ended a wait"
+    assert any(e[-1] and e[1] < e[2] for e in (events[i] for i in checks[:-1])), "no admission left requests queued"
+    return events
 
 
-def test_idle_counts_slot_replays(llama_pair, references, monkeypatch):
-    check_idle_counts_slot_replays(llama_pair, references, monkeypatch)
+def _ends_in_prefill(target):
+    """Prompts for slots past a small bucket: one long request, then prompts whose first greedy token is a stop
+    token its output never holds (each ends in its prefill), with the stop ids."""
+    long = next(p for p in PROMPTS if len(hf_greedy(target, p, NEW)) == NEW)
+    out = set(hf_greedy(target, long, NEW))
+    quick = next(p for p in PROMPTS if hf_greedy(target, p, 1)[0] not in out)
+    stop = [hf_greedy(target, quick, 1)[0]]
+    return [long] + [quick] * 7, [hf_greedy(target, long, NEW)] + [stop] * 7, stop
 
 
-def test_idle_counted_in_replays_is_caught(llama_pair, references, monkeypatch):
-    """A broken count (replays waited, not slot-replays) is rejected where two slots wait together."""
-    real = runtime_mod.DecoderBase._generate
+@pytest.mark.parametrize("cfg", [{}, {"steps_per_graph": 2}])
+def test_idle_counts_slot_steps(llama_pair, references, monkeypatch, cfg):
+    check_idle_counts_slot_steps(llama_pair, monkeypatch, PROMPTS, references, **cfg)
 
-    def replays_only(self, *args):
-        old = runtime_mod.admits_now
 
-        def by_replay(free, pending, busy, idle, wait):
-            return old(free, pending, busy, idle // max(free, 1), wait)
-        runtime_mod.admits_now = by_replay
-        try:
-            return real(self, *args)
-        finally:
-            runtime_mod.admits_now = old
-    monkeypatch.setattr(runtime_mod.DecoderBase, "_generate", replays_only)
+def test_free_slots_past_the_running_bucket_count(llama_pair, monkeypatch):
+    """Slots 1-3 free (their requests end in their prefills) while slot 0 runs in bucket 1: they wait all the same."""
+    prompts, expected, stop = _ends_in_prefill(llama_pair[0])
+    events = check_idle_counts_slot_steps(llama_pair, monkeypatch, prompts, expected, wait=4, stop=stop)
+    assert any(e[0] == "replay" and e[2] == 3 for e in events), "no replay ran in bucket 1 with three slots free"
+
+
+class _Broken:
+    """_generate's idle count made wrong in one way, by feeding admits_now a changed count."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def __call__(self, monkeypatch):
+        real_generate = runtime_mod.DecoderBase._generate
+        how = self.how
+
+        def generate(dec, *args):
+            inner = runtime_mod.admits_now
+            state = {"last": None}
+
+            def wrong(free, pending, busy, idle, wait):
+                seen = idle
+                if how == "no reset" and state["last"] is not None:
+                    seen = idle + state["last"]  # what piled up before the last admission stays
+                elif how == "replays" and free > 1:
+                    seen = idle // free
+                answer = inner(free, pending, busy, seen, wait)
+                if answer:
+                    state["last"] = seen
+                return answer
+            runtime_mod.admits_now = wrong
+            try:
+                return real_generate(dec, *args)
+            finally:
+                runtime_mod.admits_now = inner
+        monkeypatch.setattr(runtime_mod.DecoderBase, "_generate", generate)
+
+
+@pytest.mark.parametrize("how", ["no reset", "replays"])
+def test_a_wrong_idle_count_is_caught(llama_pair, references, monkeypatch, how):
+    _Broken(how)(monkeypatch)
     with pytest.raises(AssertionError):
-        check_idle_counts_slot_replays(llama_pair, references, monkeypatch)
+        check_idle_counts_slot_steps(llama_pair, monkeypatch, PROMPTS, references)

@@ -186,6 +186,17 @@ def test_greedy_equals_engine_token_for_token(exported, reference, llama_pair, s
     assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 20) for p in PROMPTS]
 
 
+def test_admission_wait_of_a_loaded_export(exported, reference):
+    """An export's runner groups admissions as the engine does: the same tokens whether it waits or not, fewer
+    prefills where it waits; a bad wait is refused at load."""
+    outs = [load_exported(exported[0], max_batch_size=2, admission_wait=w).generate(PROMPTS, max_new_tokens=20)
+            for w in (0, 10**6)]
+    assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]] == [r.token_ids for r in reference(2)]
+    assert outs[1].stats.prefills < outs[0].stats.prefills
+    with pytest.raises(ValueError, match="admission_wait must be a non-negative integer"):
+        load_exported(exported[0], admission_wait=-1)
+
+
 @pytest.mark.parametrize("new_tokens", [1, 8])
 def test_exported_prefill_reads_its_own_positions(exported, reference, monkeypatch, new_tokens):
     """The exported prefill reads the caches' first T positions alone (its span, T = 16 for these prompts), so
