@@ -141,8 +141,8 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
 
 
 @contextlib.contextmanager
-def admission_as(dec: SpecDecoder, wait: int | None):
-    """The engine's admission_wait set to `wait` (None: the config's default) for the calls inside."""
+def admission_as(dec: SpecDecoder, wait: int):
+    """The engine's admission_wait set to `wait` for the calls inside."""
     old, dec.config.admission_wait = dec.config.admission_wait, wait
     try:
         yield
@@ -225,8 +225,8 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
         for seed in range(SEED, SEED + a.repeats):
             for kk, how in runs:
                 how = dict(how)
-                wait = 0 if how.pop("at_once", False) else a.admission_wait
-                with chooser_as(**how) if how else contextlib.nullcontext(), admission_as(dec, wait):
+                at_once = admission_as(dec, 0) if how.pop("at_once", False) else contextlib.nullcontext()
+                with chooser_as(**how) if how else contextlib.nullcontext(), at_once:
                     for w in WORKLOADS:
                         calls[(kk, w)].append(timed_call(dec, prompts[w], temp, seed, a))
                         res[(B, mode, kk, verification, w)] = r = summary(calls[(kk, w)])

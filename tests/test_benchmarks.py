@@ -60,7 +60,12 @@ class _FakeEngine:
 
     capture_report, step_times, host_times = {}, {}, {}
 
+    def __init__(self):
+        self.config = type("Cfg", (), {"admission_wait": None})()
+        self.waits = []  # admission_wait at each call
+
     def generate(self, prompts, n, temperature=0.0, seed=0):
+        self.waits.append(self.config.admission_wait)
         return type("Out", (), {"stats": _Stats()})()
 
 
@@ -94,3 +99,24 @@ def test_bench_adaptive_keeps_the_rounds_of_a_run_cut_short(monkeypatch, tmp_pat
     text = out.read_text()
     said = "the median of 4 timed" if cut_after is None else "the median of 2 (of 4 asked: the run was cut short)"
     assert said in text and "| 1 | greedy | auto | token |" in text, text
+
+
+def test_bench_adaptive_at_once_twins(monkeypatch, tmp_path):
+    """--at-once-too auto: auto's calls again with admission_wait 0, taking turns with auto's own (the config's
+    wait), each in a row of its own; the engine's wait is restored after each."""
+    import bench_adaptive
+
+    eng = _FakeEngine()
+    monkeypatch.setattr(bench_adaptive, "build", lambda *a: eng)
+    out = tmp_path / "r.md"
+    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", "--k-set", "1", "--batch-sizes", "1", "--prompts", "2",
+                                      "--skip-sampling", "--skip-fixed", "--repeats", "2", "--at-once-too", "auto",
+                                      "--out", str(out)])
+    monkeypatch.setattr(bench_adaptive, "workloads", lambda n: {w: [[1, 2, 3]] * n for w in bench_adaptive.WORKLOADS})
+    monkeypatch.setattr(bench_adaptive.sg_platform, "get", lambda d: type("P", (), {"device_name": lambda s: "x"})())
+    bench_adaptive.main()
+    text = out.read_text()
+    assert "| 1 | greedy | auto | token |" in text and "| 1 | greedy | auto at once | token |" in text, text
+    calls = eng.waits[1:]  # after the compile call: per seed, auto's 3 workloads x 2 calls, then its twin's
+    assert calls == ([None] * 6 + [0] * 6) * 2 and eng.config.admission_wait is None
+
