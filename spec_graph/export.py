@@ -548,9 +548,10 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
 
     ``max_batch_size`` (request slots) defaults to the largest exported batch
     size and may not exceed it; ``admission_wait`` is ``SpecGraphConfig``'s.
-    Every member's sha256 is checked against the metadata before anything is loaded (a damaged library would crash the
-    process). On CUDA/NPU the step is captured in a static graph per batch
-    size unless ``enable_graph=False``.
+    Every member's sha256 is checked against the metadata before anything
+    is loaded (a damaged library would crash the process). On CUDA/NPU the
+    step is captured in a static graph per batch size unless
+    ``enable_graph=False``.
     """
     from safetensors.torch import load as st_load
 
