@@ -42,10 +42,8 @@ from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 def engine(k, B: int, kmax: int, device: str, admission_wait: int | None = None) -> SpecDecoder:
     kw = dict(max_speculative_tokens=kmax) if k == ba.AUTO else {}
-    if admission_wait is not None:
-        kw["admission_wait"] = admission_wait
     cfg = SpecGraphConfig(num_speculative_tokens=k, max_batch_size=B, max_len=ba.MAX_LEN, device=device,
-                          batch_buckets=(B,), **kw)
+                          batch_buckets=(B,), admission_wait=admission_wait, **kw)
     return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
 
 

@@ -447,10 +447,10 @@ class DecoderBase(StepTimes):
 
     def _generate(self, encoded: list[list[int]], max_new_tokens: int, params: SamplingParams, seed: int,
                   stop_set: set[int], progress) -> GenerationOutput:
+        wait = self.config.slot_steps_waited  # checked first: it may have been set after construction
         t0 = time.perf_counter()
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
-        wait = self.config.slot_steps_waited
         self._capture(params.greedy, len(encoded))
         req_seeds = [request_seed(seed, i) for i in range(len(encoded))]
 
