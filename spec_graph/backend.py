@@ -7,6 +7,7 @@ importing spec_graph first; ``register()`` does the same for a source tree.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +34,11 @@ class BackendOptions:
         {pass name: replacements}, or with None when they did not run during the compile, in this
         process: inductor's FX graph cache or AOT autograd cache served the graph (post-grad passes
         do not run on a cache hit), or TORCHINDUCTOR_FX_COMPILE_MODE compiled in a subprocess.
+    opaque_kernels: keep the project's Triton ops whole in the graph (launched by their own bodies) instead of
+        decomposing them into inductor's user-kernel nodes (default False). Inductor fuses nothing into those
+        kernels either way, but each decomposed call site costs the compile a trace and analysis of the kernel's
+        source (two thirds of a speculative step's compile); an opaque op costs a Python launch per call, which a
+        captured graph does not replay: for functions replayed from graphs (the engine's steps).
     """
 
     passes: dict = field(default_factory=dict)
@@ -40,6 +46,7 @@ class BackendOptions:
     device: str | None = None
     inductor: dict = field(default_factory=dict)
     on_passes: Callable[[dict | None], Any] | None = None
+    opaque_kernels: bool = False
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -76,7 +83,8 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
         patches = {"post_grad_custom_post_pass": passes, **opts.inductor}
         if mode and mode.startswith("max-autotune"):
             patches.setdefault("max_autotune", True)
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        with opaque_ops() if opts.opaque_kernels else contextlib.nullcontext():
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if opts.on_passes is not None:
         # the passes run inside compile_fx (on the forward graph); a manager that never ran: see on_passes
         counts = passes.last_counts
@@ -84,6 +92,17 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     if plat.supports_graphs and opts.capture:
         return CapturedFunction(compiled, plat)
     return compiled
+
+
+def opaque_ops():
+    """A context in which AOT autograd keeps custom Triton ops (torch.library.triton_op) whole, as torch.export does,
+    and inductor passes custom ops the layouts it has (flexible_layout): the default (exact eager strides) makes it
+    recompute a small input, such as the positions, into a fresh buffer for each op that reads it (62 kernels more
+    in a K=4 step). Every op of this project reads its inputs through their strides or makes them contiguous."""
+    from torch._functorch import config
+
+    wanted = {"decompose_custom_triton_ops": False, "custom_op_default_layout_constraint": "flexible_layout"}
+    return config.patch({k: v for k, v in wanted.items() if hasattr(config, k)})
 
 
 def known_inductor_configs(wanted: dict) -> dict:

@@ -123,6 +123,30 @@ def test_matches_reference(case):
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a tensor whose every dimension is strided: every other element of one twice as large in each
+    dimension, reversed (a compiled graph may hand an op any layout: the engine's step keeps its ops opaque)."""
+    big = torch.zeros(*(2 * n for n in t.shape), dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
+def test_strided_inputs_read_through_their_strides():
+    """q, the positions and the slots as strided views give the result of their contiguous copies, bit for bit."""
+    _require_kernel()
+    q, k, v, g = _build(2, 3, 4, 2, 16, 40, 4, 2, torch.float32, 5)
+    pos = _positions([17, 33], 3)
+    slots = torch.tensor([3, 1])
+    args = [x.to(DEV) for x in (q, k, v)]
+    want = decode_attention(*args, 1, slots.to(DEV), pos.to(DEV), num_splits=2)
+    got = decode_attention(_strided(args[0]), *args[1:], 1, _strided(slots.to(DEV)), _strided(pos.to(DEV)),
+                           num_splits=2)
+    assert torch.equal(got, want)
+    assert not torch.equal(decode_attention(*args, 1, slots.to(DEV), pos.to(DEV) - 1, num_splits=2), want)
+
+
 def test_off_by_one_live_length_is_caught():
     """The comparison can fail: the kernel run with every row's live length off by one (either way) differs."""
     _require_kernel()

@@ -495,6 +495,42 @@ def test_uuid_follows_the_kernels_launch_settings(monkeypatch):
             assert PassManager().uuid() == blind, name  # the control: blind to the change
 
 
+@pytest.mark.parametrize("opaque", [True, False])
+def test_opaque_kernels_keep_the_ops_whole(opaque):
+    """opaque_kernels: the project's Triton ops stay one call each in the compiled code (AOT autograd does not
+    trace into their bodies); else they are decomposed. Either way the result and the caches the op writes in place
+    are the eager ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    from spec_graph.backend import backend_compile
+    from spec_graph.kernels.counters import new_sync
+    from spec_graph.kernels.decode_linear import decode_linear, decode_qkv_rope_cache
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, nh, nkv, D, L = 2, 3, 32, 2, 1, 16, 8
+    x = torch.randn(B, T, H, generator=g)
+    w, wo = torch.randn((nh + 2 * nkv) * D, H, generator=g) / 6, torch.randn(H, nh * D, generator=g) / 6
+    nw = torch.rand(H, generator=g) + 0.5
+    ang = torch.rand(B, T, D, generator=g) * 6
+    sync = new_sync()  # as the models pass it (a None there is a mutable input inductor's fallback cannot take)
+
+    def f(x, pos, kc, vc):
+        q = decode_qkv_rope_cache(x, w, None, nw, 1e-6, ang.cos(), ang.sin(), nh, D, kc, vc, 1, None, pos + 1, sync)
+        return decode_linear(q, wo, residual=x, sync=sync)
+
+    pos = torch.tensor([[2, 3, 4], [0, 1, 2]])
+    kc0, vc0 = torch.zeros(2, B, nkv, L, D), torch.zeros(2, B, nkv, L, D)
+    want = f(x, pos, kc0, vc0)
+    kc, vc = torch.zeros_like(kc0), torch.zeros_like(vc0)
+    out, codes = run_and_get_code(backend_compile(f, "cpu", opaque_kernels=opaque), x, pos, kc, vc)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close((kc, vc), (kc0, vc0))  # inductor's cos and sin may round apart from eager's
+    assert kc.abs().sum() > 0
+    code = "\n".join(codes)
+    for op in ("decode_qkv_rope_cache", "decode_linear"):
+        assert (f"torch.ops.spec_graph.{op}.default(" in code) == opaque, op
+
+
 def test_pass_manager_pickles():
     import pickle
 

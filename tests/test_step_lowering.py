@@ -57,6 +57,14 @@ if variant == "split, computed counters":  # the control of the counters check: 
     from spec_graph.models import llama
     fused = llama.DecoderLayer.forward_fused
     llama.DecoderLayer.forward_fused = lambda self, *a: fused(self, *a[:-1], a[-1] * 1)
+if variant.startswith("opaque"):  # as the engine compiles its step on a graph platform: the ops kept whole
+    import spec_graph.backend as backend_mod
+    import spec_graph.engine as engine_mod
+    compile_step = engine_mod.backend_compile
+    engine_mod.backend_compile = lambda *a, **k: compile_step(*a, **{**k, "opaque_kernels": True})
+    if variant == "opaque, exact strides":  # the control: inductor's default layout rule for custom ops
+        import torch._functorch.config as fc
+        backend_mod.opaque_ops = lambda: fc.patch(decompose_custom_triton_ops=False)
 mismatches = []
 root = Path(tempfile.mkdtemp())
 tok = build_tokenizer(96)
@@ -78,6 +86,8 @@ def read(scheduler, operations):
             name = kernel_side_table.get_kernel(op.kernel_idx).fn.__name__
             out["kernel " + name] += 1
             mismatches.extend(f"{name}.{arg}" for arg in strides_unlike_traced(op))
+        elif type(op).__name__ == "FallbackKernel" and str(getattr(op, "op_overload", "")).startswith("spec_graph."):
+            out["op " + str(op.op_overload).split(".")[1]] += 1
         elif any("aten.cos" in o for o in origins):
             out["cos buffers"] += 1
         elif any("index_put" in o for o in origins) and len(op.get_size()) == 5:  # [layers, slots, Hkv, L, D]
@@ -142,6 +152,23 @@ def test_step_computes_rope_once_per_forward_and_writes_caches_in_qkv():
     assert control["cos buffers"] >= forwards * layers, control
 
 
+def test_opaque_step_computes_rope_once_per_forward():
+    """The step as the engine compiles it on a graph platform (opaque_kernels: each op one call, launched by its own
+    body) calls the same ops as the decomposed one, reads its RoPE tables (cos, sin) from one pair of buffers per
+    forward and copies no cache. The control keeps inductor's default layout rule for custom ops (exact strides),
+    under which it computes the tables again for each layer's qkv op (on an H200, 62 kernels more in a K=4 step)."""
+    forwards, layers = 5, 3
+    got = _lowered("opaque")
+    assert got.get("kernel _decode_linear_kernel", 0) == 0, got  # nothing decomposed
+    assert got["op decode_qkv_rope_cache"] == got["op decode_attention"] == forwards * layers, got
+    assert got["op decode_gate_up"] == forwards * layers, got
+    assert got["op decode_linear"] == forwards * (2 * layers + 1), got  # o_proj, down_proj; lm_head
+    assert got.get("cache index_put buffers", 0) == 0 and got.get("other cache-sized buffers", 0) == 0, got
+    assert got["cos buffers"] <= 2 * forwards, got
+    control = _lowered("opaque, exact strides")
+    assert control["cos buffers"] >= forwards * layers, control
+
+
 def test_split_k_kernels_count_in_the_models_own_counters():
     """Split-K launches mutate the model's counter buffer in place: the same kernels, and no buffer of counters
     (a copy or a functional update of them) in the step, with attention split over key ranges beside them (its
@@ -202,3 +229,22 @@ def test_engine_hands_inductor_the_kernel_options(monkeypatch):
     step = seen[-1]
     assert known_inductor_configs(INDUCTOR_CONFIGS) and all(step[k] == v for k, v in
                                                             known_inductor_configs(INDUCTOR_CONFIGS).items()), step
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_keeps_its_step_ops_opaque_where_it_replays_graphs(graphs, monkeypatch):
+    """The engine compiles its step with opaque_kernels on a platform whose steps replay from graphs (where the ops'
+    own launches are captured once), and decomposed elsewhere."""
+    from helpers import build_tokenizer, make_checkpoint, perturbed_copy
+    import spec_graph.engine as engine_mod
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    asked = []
+    monkeypatch.setattr(engine_mod, "backend_compile", lambda fn, *a, **k: asked.append(k) or fn)
+    root = Path(__import__("tempfile").mkdtemp())
+    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
+    dec = SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
+                                      SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
+    monkeypatch.setattr(type(dec.platform), "supports_graphs", property(lambda self: graphs))
+    dec._step_fn(True)
+    assert asked and asked[-1]["opaque_kernels"] is graphs
