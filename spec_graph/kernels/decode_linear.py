@@ -405,7 +405,10 @@ def fused_rows_ok(x: torch.Tensor) -> bool:
 
 def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None, sync=None):
     """kv: (k_cache, v_cache, layer, slots, positions, q_cols) to write k and v into the caches (ROPE only);
-    out then holds the q columns alone. sync: split-K's counters (counters.new_sync), or None for no split."""
+    out then holds the q columns alone. sync: split-K's counters (counters.new_sync), or None (or an empty buffer,
+    as the wrappers pass None) for no split."""
+    if sync is not None and sync.numel() == 0:
+        sync = None
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -528,21 +531,27 @@ def decode_qkv_rope_cache(x, w, b, norm_w, eps: float, cos, sin, n_heads: int, h
     [B, T, H]; writes k_cache / v_cache [layer, slot, head, positions[b, t], :] and returns q [B, T, n_heads * D]."""
     return torch.ops.spec_graph.decode_qkv_rope_cache(x, w, b, norm_w, float(eps), cos, sin, int(n_heads),
                                                       int(head_dim), k_cache, v_cache, int(layer), slots, positions,
-                                                      sync)
+                                                      _counters(sync, x))
+
+
+def _counters(sync, x: torch.Tensor) -> torch.Tensor:
+    """sync, or for None an empty buffer (no split): a mutated input that is None is one that inductor cannot hand
+    an op it keeps whole (the backend's opaque_kernels)."""
+    return sync if sync is not None else x.new_empty(0, dtype=torch.int32)
 
 
 def decode_linear(x, w, b=None, norm_w=None, eps: float = 0.0, residual=None, sync=None) -> torch.Tensor:
     """residual + rmsnorm(x) @ w.T + b for a few rows (op `spec_graph::decode_linear`; see the module docstring)."""
-    return torch.ops.spec_graph.decode_linear(x, w, b, norm_w, float(eps), residual, sync)
+    return torch.ops.spec_graph.decode_linear(x, w, b, norm_w, float(eps), residual, _counters(sync, x))
 
 
 def decode_gate_up(x, w, b=None, norm_w=None, eps: float = 0.0, sync=None) -> torch.Tensor:
     """silu(gate) * up of rmsnorm(x) @ w.T + b, w = [gate; up] (op `spec_graph::decode_gate_up`)."""
-    return torch.ops.spec_graph.decode_gate_up(x, w, b, norm_w, float(eps), sync)
+    return torch.ops.spec_graph.decode_gate_up(x, w, b, norm_w, float(eps), _counters(sync, x))
 
 
 def decode_qkv_rope(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head_dim: int,
                     sync=None) -> torch.Tensor:
     """rmsnorm(x) @ w.T + b with RoPE on the first `rope_heads` heads (op `spec_graph::decode_qkv_rope`)."""
     return torch.ops.spec_graph.decode_qkv_rope(x, w, b, norm_w, float(eps), cos, sin, int(rope_heads),
-                                                int(head_dim), sync)
+                                                int(head_dim), _counters(sync, x))
