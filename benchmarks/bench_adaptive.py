@@ -29,7 +29,9 @@ then run sampled in the auto token engine too, pinned, and the auto targets are 
 well). Each engine first runs a 4-token generate per mode (its compile and capture, timed apart). Each
 workload then runs once untimed and once timed per seed 0..--repeats-1; tokens/s = generated tokens / wall
 time of a timed generate call (prefills included, Python's garbage collector off; the median call, with the spread (max - min) / median
-beside it), tokens/step and the K histogram pooled over them. Runs on one engine (auto, its chooser
+beside it, and the fastest call), tokens/step and the K histogram pooled over them. Greedy calls of one cell do the
+same work (greedy tokens do not depend on the seed, and auto's table is fixed once measured), so their fastest call
+is the one least slowed by the host: the greedy targets are also read on the fastest calls. Runs on one engine (auto, its chooser
 variants, the pinned K) take turns seed by seed, so that a drift of the machine falls on all of them alike.
 
 Targets checked at the end: auto within 3% of the best fixed K on (i) and (ii); auto >= 1.10x K=4 on
@@ -189,7 +191,7 @@ def summary(calls: list) -> dict:
     n = sum(s.generated_tokens for s in stats)
     ks = [k for s in stats for k in (getattr(s, "k_per_step", None) or [])]
     mid = statistics.median(rates)
-    return dict(tps=mid, calls=len(rates), spread=(max(rates) - min(rates)) / mid,
+    return dict(tps=mid, tps_best=max(rates), calls=len(rates), spread=(max(rates) - min(rates)) / mid,
                 tps_step=n / sum(s.request_steps for s in stats),
                 ms_replay=statistics.median(replay_ms),
                 acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
@@ -264,13 +266,14 @@ def fmt3(res, B, mode, k, v, field, spec):
 
 
 def tables(res, a) -> list[str]:
-    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/s spread | tok/step | acceptance | mean K "
-         "| ms/replay |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/s spread | fastest call tok/s | tok/step "
+         "| acceptance | mean K | ms/replay |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
-                 f"{fmt3(res, B, mode, k, v, 'spread', '.1%')} | {fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'spread', '.1%')} | {fmt3(res, B, mode, k, v, 'tps_best', '.0f')} | "
+                 f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | "
                  f"{fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
                  f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if str(k).startswith(AUTO) else k} | "
                  f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
@@ -306,12 +309,14 @@ def targets(res, a) -> list[str]:
                     best = max(fixed, key=fixed.get)
                     ratio = auto["tps"] / fixed[best]
                     L.append(f"- B={B} {w}{at}: auto {auto['tps']:.0f} tok/s vs best fixed K={best} "
-                             f"{fixed[best]:.0f} ({ratio:.3f}x; target >= 0.97x): {ok(ratio >= 0.97)}")
+                             f"{fixed[best]:.0f} ({ratio:.3f}x; target >= 0.97x): {ok(ratio >= 0.97)}"
+                             + (_fastest(res, B, w, a.k_set, 0.97) if mode == "greedy" else ""))
             auto, k4 = res.get((B, mode, AUTO, "token", "mixed")), res.get((B, mode, 4, "token", "mixed"))
             if auto and k4:
                 ratio = auto["tps"] / k4["tps"]
                 L.append(f"- B={B} mixed{at}: auto {auto['tps']:.0f} tok/s vs K=4 {k4['tps']:.0f} ({ratio:.3f}x; "
-                         f"target >= 1.10x): {ok(ratio >= 1.10)}")
+                         f"target >= 1.10x): {ok(ratio >= 1.10)}"
+                         + (_fastest(res, B, "mixed", [4], 1.10) if mode == "greedy" else ""))
         for k in ([] if a.skip_sampling else a.sampling_ks):
             for w in WORKLOADS:
                 t, b = res.get((B, "sampling", k, "token", w)), res.get((B, "sampling", k, "block", w))
@@ -321,6 +326,17 @@ def targets(res, a) -> list[str]:
                              f"{t['tps_step']:.3f} tok/step ({gain:+.1%}; tok/s {b['tps'] / t['tps']:.3f}x): "
                              f"{ok(b['tps_step'] >= t['tps_step'])}")
     return L or ["- no target could be checked (variants missing)"]
+
+
+def _fastest(res, B: int, w: str, ks, target: float) -> str:
+    """The same greedy target read on each cell's fastest call: auto's against the best of the fixed Ks'."""
+    auto = res[(B, "greedy", AUTO, "token", w)].get("tps_best")
+    fixed = {k: res[key].get("tps_best") for k in ks if (key := (B, "greedy", k, "token", w)) in res}
+    if auto is None or not fixed or None in fixed.values():
+        return ""
+    best = max(fixed, key=fixed.get)
+    ratio = auto / fixed[best]
+    return f"; on the fastest calls {ratio:.3f}x K={best}: {'met' if ratio >= target else 'NOT met'}"
 
 
 def _calls(res, a) -> str:

@@ -120,3 +120,30 @@ def test_bench_adaptive_at_once_twins(monkeypatch, tmp_path):
     calls = eng.waits[1:]  # after the compile call: per seed, auto's 3 workloads x 2 calls, then its twin's
     assert calls == ([None] * 6 + [0] * 6) * 2 and eng.config.admission_wait is None
 
+
+
+def test_bench_adaptive_reads_greedy_targets_on_the_fastest_calls():
+    """Each cell keeps its fastest call beside its median, and each greedy target is read on both: here auto's
+    median call meets none and its fastest calls meet all (against the best fixed K's fastest call, K=1 on (i),
+    K=4 on (ii)); sampled targets stay on the medians alone."""
+    import types
+
+    import bench_adaptive
+
+    calls = {1: ([90, 100, 110], [80, 80, 80], [95, 95, 95]), 4: ([70, 70, 70], [85, 90, 99], [100, 100, 100]),
+             "auto": ([50, 60, 120], [50, 60, 105], [50, 60, 112])}
+    res = {}
+    for k, per_w in calls.items():
+        for w, rates in zip(bench_adaptive.WORKLOADS, per_w):
+            res[(8, "greedy", k, "token", w)] = bench_adaptive.summary([(r, _Stats(), 0.5) for r in rates])
+            res[(8, "sampling", k, "token", w)] = res[(8, "greedy", k, "token", w)]
+    a = types.SimpleNamespace(batch_sizes=[8], k_set=[1, 4], skip_sampling=True, sampling_ks=[])
+    lines = bench_adaptive.targets(res, a)
+    greedy = [x for x in lines if " at temperature" not in x]
+    assert len(greedy) == 3 and all(": NOT met; on the fastest calls" in x for x in greedy), lines
+    assert "on the fastest calls 1.091x K=1: met" in greedy[0], greedy  # 120 / 110
+    assert "on the fastest calls 1.061x K=4: met" in greedy[1], greedy  # 105 / 99
+    assert "on the fastest calls 1.120x K=4: met" in greedy[2], greedy  # 112 / 100
+    assert all("fastest" not in x for x in lines if " at temperature" in x), lines
+    table = "\n".join(bench_adaptive.tables(res, a))
+    assert "| 8 | greedy | auto | token | 60 / 60 / 60 |" in table and "| 120 / 105 / 112 |" in table, table
