@@ -37,7 +37,7 @@ class BackendOptions:
     opaque_kernels: keep the project's Triton ops whole in the graph (launched by their own bodies) instead of
         decomposing them into inductor's user-kernel nodes (default False). Inductor fuses nothing into those
         kernels either way, but each decomposed call site costs the compile a trace and analysis of the kernel's
-        source (two thirds of a speculative step's compile); an opaque op costs a Python launch per call, which a
+        source (over half of a speculative step's compile); an opaque op costs a Python launch per call, which a
         captured graph does not replay: for functions replayed from graphs (the engine's steps).
     """
 

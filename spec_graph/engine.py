@@ -247,7 +247,7 @@ class SpecDecoder(DecoderBase):
                 check = bool(self.config.passes.get(expected, True))  # a pass turned off is not expected
                 seen, warned = self.pass_counts.setdefault(mode, []), self._fusion_warned
                 reports: list = []  # filled by the backend during a compile, drained right after it
-                # the step is replayed from graphs: its kernels stay opaque, for a compile per K about a third as
+                # the step is replayed from graphs: its kernels stay opaque, for a compile per K less than half as
                 # long (the backend's opaque_kernels)
                 compiled_step = backend_compile(one_step, self.platform.name, self.config.passes,
                                                 on_passes=reports.append,
