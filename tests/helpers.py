@@ -254,3 +254,19 @@ def nan_past(position: int):
                 c[:, slots] = 0
                 c[:, slots, :, position:] = float("nan")
     return zero_then_nan
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values as every other element, in each dimension, of a tensor twice as large: no dimension has a unit
+    stride (a compiled graph may hand an op any layout where it keeps the op whole)."""
+    big = torch.zeros(*(2 * n for n in t.shape), dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def rows_apart(t: torch.Tensor) -> torch.Tensor:
+    """t's values with its rows apart and each row's elements adjacent (the first half of rows twice as long)."""
+    big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    big[..., : t.shape[-1]] = t
+    return big[..., : t.shape[-1]]

@@ -18,7 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import interpreter_while_testing, kernel_setting, require_kernel, run_module_in_fresh_process  # noqa: E402
+from helpers import (interpreter_while_testing, kernel_setting, require_kernel, run_module_in_fresh_process,  # noqa: E402
+                     strided_copy)
 
 from spec_graph import platform  # noqa: E402
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
@@ -123,16 +124,6 @@ def test_matches_reference(case):
     assert _close(got, ref, dtype), (got.float() - ref.float()).abs().max()
 
 
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a tensor whose every dimension is strided: every other element of one twice as large in each
-    dimension, reversed (a compiled graph may hand an op any layout: the engine's step keeps its ops opaque)."""
-    big = torch.zeros(*(2 * n for n in t.shape), dtype=t.dtype, device=t.device)
-    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
-    view.copy_(t)
-    assert not view.is_contiguous()
-    return view
-
-
 def test_strided_inputs_read_through_their_strides():
     """q, the positions and the slots as strided views give the result of their contiguous copies, bit for bit."""
     _require_kernel()
@@ -141,8 +132,8 @@ def test_strided_inputs_read_through_their_strides():
     slots = torch.tensor([3, 1])
     args = [x.to(DEV) for x in (q, k, v)]
     want = decode_attention(*args, 1, slots.to(DEV), pos.to(DEV), num_splits=2)
-    got = decode_attention(_strided(args[0]), *args[1:], 1, _strided(slots.to(DEV)), _strided(pos.to(DEV)),
-                           num_splits=2)
+    got = decode_attention(strided_copy(args[0]), *args[1:], 1, strided_copy(slots.to(DEV)),
+                           strided_copy(pos.to(DEV)), num_splits=2)
     assert torch.equal(got, want)
     assert not torch.equal(decode_attention(*args, 1, slots.to(DEV), pos.to(DEV) - 1, num_splits=2), want)
 

@@ -121,7 +121,6 @@ def test_bench_adaptive_at_once_twins(monkeypatch, tmp_path):
     assert calls == ([None] * 6 + [0] * 6) * 2 and eng.config.admission_wait is None
 
 
-
 def test_bench_adaptive_reads_greedy_targets_on_the_fastest_calls():
     """Each cell keeps its fastest call beside its median, and each greedy target is read on both: here auto's
     median call meets none and its fastest calls meet all (against the best fixed K's fastest call, K=1 on (i),

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import (interpreter_while_testing, kernel_setting, require_kernel, run_compiled_script,  # noqa: E402
-                     run_module_in_fresh_process)
+from helpers import (interpreter_while_testing, kernel_setting, require_kernel, rows_apart,  # noqa: E402
+                     run_compiled_script, run_module_in_fresh_process, strided_copy)
 
 _dl = importlib.import_module("spec_graph.kernels.decode_linear")
 _ll = importlib.import_module("spec_graph.kernels.linear_launch")
@@ -591,14 +591,6 @@ def test_strided_bias_and_norm_weight(monkeypatch):
         torch.testing.assert_close(fn(x, w, b, nw, 1e-6), ref(x, w, b, nw, 1e-6), **TOL[torch.float32])
 
 
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """t's values as every other element, in each dimension, of a tensor twice as large (not contiguous)."""
-    big = torch.zeros(*(2 * n for n in t.shape), dtype=t.dtype, device=t.device)
-    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
-    view.copy_(t)
-    return view
-
-
 def test_strided_inputs_of_every_op():
     """Each op with every tensor input strided (a compiled graph may hand an op any layout: the engine's step keeps
     its ops opaque) gives what it gives on contiguous copies, bit for bit, caches written alike."""
@@ -612,23 +604,13 @@ def test_strided_inputs_of_every_op():
     wg = (torch.randn(2 * H, H, generator=g) / 8).to(DEV)
     slots, positions = torch.tensor([2, 0], device=DEV), torch.tensor([[4, 5, 6], [9, 10, 11]], device=DEV)
     caches = [torch.randn(2, 3, Hkv, Lc, D, generator=g).to(DEV) for _ in range(2)]
-    def R(t):  # rows apart, each row's elements adjacent: the kernels read such a tensor in place
-        big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
-        big[..., : t.shape[-1]] = t
-        return big[..., : t.shape[-1]]
-
-    S = _strided
-    for plain, strided in (
-            (lambda: decode_linear(x, wo, b[:H], nw, 1e-6, res), lambda: decode_linear(R(x), R(wo), b[:H], nw,
-                                                                                       1e-6, R(res))),
-            (lambda: decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D),
-             lambda: decode_qkv_rope(R(x), R(w), b, nw, 1e-6, R(cos), R(sin), Hq + Hkv, D)),
-            (lambda: decode_linear(x, wo, b[:H], nw, 1e-6, res), lambda: decode_linear(S(x), S(wo), S(b[:H]), S(nw),
-                                                                                       1e-6, S(res))),
-            (lambda: decode_gate_up(x, wg, None, nw, 1e-6), lambda: decode_gate_up(S(x), S(wg), None, S(nw), 1e-6)),
-            (lambda: decode_qkv_rope(x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D),
-             lambda: decode_qkv_rope(S(x), S(w), S(b), S(nw), 1e-6, S(cos), S(sin), Hq + Hkv, D))):
-        assert torch.equal(strided(), plain())
+    ops = ((decode_linear, (x, wo, b[:H], nw, 1e-6, res)), (decode_gate_up, (x, wg, None, nw, 1e-6)),
+           (decode_qkv_rope, (x, w, b, nw, 1e-6, cos, sin, Hq + Hkv, D)))
+    for op, args in ops:
+        want = op(*args)
+        for layout in (rows_apart, strided_copy):  # rows read in place; every stride off one
+            assert torch.equal(op(*(layout(t) if isinstance(t, torch.Tensor) else t for t in args)), want), op
+    S = strided_copy
     kc, vc = (c.clone() for c in caches)
     want = _dl.decode_qkv_rope_cache(x, w, b, nw, 1e-6, cos, sin, Hq, D, kc, vc, 1, slots, positions)
     with pytest.raises(ValueError, match="unit last stride"):  # the one layout refused, with a clear error
