@@ -262,6 +262,17 @@ def test_auto_num_splits_uses_static_shapes_only():
     assert _att.auto_num_splits(4096, 8, 32768, cpu) == 1
 
 
+@pytest.mark.parametrize("rows, kv_heads", [(1, 4), (8, 4), (32, 4), (3, 5), (100, 8), (200, 5)])
+def test_auto_num_splits_gives_each_program_one_item(rows, kv_heads):
+    """Splits x rows x kv heads stay within the programs the launch caps its grid at (a grid-stride program
+    would walk two items one after the other), wherever one split per (row, kv head) fits."""
+    cpu = torch.device("cpu")
+    cap = platform.max_programs(cpu)
+    splits = _att.auto_num_splits(rows, kv_heads, 32768, cpu)
+    assert rows * kv_heads * splits <= cap
+    assert rows * kv_heads * (splits + 1) > cap or splits == _att.MAX_SPLITS
+
+
 # ------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

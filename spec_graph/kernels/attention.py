@@ -30,7 +30,10 @@ from .. import platform
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
-MIN_SPLIT_KEYS = 256  # auto splits keep at least this many cache positions per split
+# auto splits keep at least this many cache positions per split: at short contexts each split then walks one
+# key block, and a program's loads wait on memory once (the H200's B=1 step: attention and its combine 0.228 ->
+# 0.187 ms of kernel time at 256 -> 64 keys, 128 in between; 32 keys on 32-key blocks no faster)
+MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 # Extra launch options of the split kernel (num_warps, num_stages). Triton's defaults (4 warps, 3 stages on
@@ -210,10 +213,11 @@ def attention_shapes(op: str, q, k_cache, v_cache) -> tuple:
 
 
 def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) -> int:
-    """Splits per (row, kv head) from static shapes only: about max_programs (4 per SM on CUDA) items in all,
-    at most MAX_SPLITS, and no more than one per MIN_SPLIT_KEYS cache positions."""
+    """Splits per (row, kv head) from static shapes only: at most max_programs (4 per SM on CUDA) items in all
+    (a program then takes one item, not two in turn), at most MAX_SPLITS, and no more than one per MIN_SPLIT_KEYS
+    cache positions."""
     target = platform.max_programs(device)
-    want = triton.cdiv(target, max(batch * kv_heads, 1))
+    want = target // max(batch * kv_heads, 1)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(cache_len, MIN_SPLIT_KEYS)))
 
 
