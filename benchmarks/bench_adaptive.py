@@ -28,11 +28,13 @@ there compiles every K again per verification: left out by default; with --pin-i
 then run sampled in the auto token engine too, pinned, and the auto targets are checked at temperature 1 as
 well). Each engine first runs a 4-token generate per mode (its compile and capture, timed apart). Each
 workload then runs once untimed and once timed per seed 0..--repeats-1; tokens/s = generated tokens / wall
-time of a timed generate call (prefills included, Python's garbage collector off; the median call, with the spread (max - min) / median
-beside it, and the fastest call), tokens/step and the K histogram pooled over them. Greedy calls of one cell do the
-same work (greedy tokens do not depend on the seed, and auto's table is fixed once measured), so their fastest call
-is the one least slowed by the host: the greedy targets are also read on the fastest calls. Runs on one engine (auto, its chooser
-variants, the pinned K) take turns seed by seed, so that a drift of the machine falls on all of them alike.
+time of a timed generate call (prefills included, Python's garbage collector off; the median call, with the spread
+(max - min) / median beside it, and the fastest call), tokens/step and the K histogram pooled over them, and the
+prefills per call (their median: which rows finish together decides how many a call takes). Greedy calls of one
+cell do the same work (greedy tokens do not depend on the seed, and auto's table is fixed once measured), so their
+fastest call is the one least slowed by the host: the greedy targets are also read on the fastest calls. Runs on
+one engine (auto, its chooser variants, the pinned K) take turns seed by seed, so that a drift of the machine
+falls on all of them alike. Each engine's compile times go into the report as soon as they are known.
 
 Targets checked at the end: auto within 3% of the best fixed K on (i) and (ii); auto >= 1.10x K=4 on
 (iii) (greedy, and at temperature 1 where sampled auto ran with the fixed K); block tokens/step >= token
@@ -193,7 +195,7 @@ def summary(calls: list) -> dict:
     mid = statistics.median(rates)
     return dict(tps=mid, tps_best=max(rates), calls=len(rates), spread=(max(rates) - min(rates)) / mid,
                 tps_step=n / sum(s.request_steps for s in stats),
-                ms_replay=statistics.median(replay_ms),
+                ms_replay=statistics.median(replay_ms), prefills=statistics.median(s.prefills for s in stats),
                 acc=statistics.fmean(s.acceptance_rate for s in stats), gen=n,
                 kmean=statistics.fmean(ks) if ks else None, khist=dict(sorted(collections.Counter(ks).items())))
 
@@ -204,11 +206,16 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
     t0 = time.time()
     dec = build(k, verification, B, a)
     load_s, caps = time.time() - t0, []
+    head = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture "
+    at = len(notes)
+    notes.append(head)  # filled in as the engine goes: a run cut short keeps its compile times
     for mode in modes:
         temp = 0.0 if mode == "greedy" else 1.0
         t1 = time.time()
         dec.generate([prompts["stdlib"][0][:16]], 4, temperature=temp, seed=SEED)  # compile + capture
         caps.append(f"{mode} {time.time() - t1:.1f} s")
+        notes[at] = head + ", ".join(caps)
+        save()
         runs = [(k, {})]
         if k == AUTO and mode == "greedy":
             # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
@@ -237,7 +244,7 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
                                  f"{r['ms_replay']:.3f} ms/replay"
                                  + (f", mean K {r['kmean']:.2f}" if str(kk).startswith(AUTO) else ""))
             save()
-    line = f"- B={B} K={k} {verification}: load {load_s:.1f} s, compile+capture {', '.join(caps)}"
+    line = head + ", ".join(caps)
     rep = getattr(dec, "capture_report", None)
     if k == AUTO and rep:
         mib = lambda m: f"{m / 2**20:.1f} MiB" if m is not None else "n/a"  # noqa: E731
@@ -250,7 +257,7 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
             for (g, b, kk), t in sorted(dec.step_times.items(), key=str))
         line += "; host ms per replay: " + ", ".join(f"{'greedy' if g else 'sampled'} B={b} {1e3 * t:.3f}"
                                                      for (g, b), t in sorted(dec.host_times.items()))
-    notes.append(line + f"; engine total {time.time() - t0:.1f} s")
+    notes[at] = line + f"; engine total {time.time() - t0:.1f} s"
     progress(f"engine B={B} K={k} {verification} done in {time.time() - t0:.1f} s")
     del dec
     if torch.cuda.is_available():
@@ -267,8 +274,8 @@ def fmt3(res, B, mode, k, v, field, spec):
 
 def tables(res, a) -> list[str]:
     L = ["| B | mode | K | verification | tok/s (i) / (ii) / (iii) | tok/s spread | fastest call tok/s | tok/step "
-         "| acceptance | mean K | ms/replay |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| acceptance | mean K | ms/replay | prefills/call |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted({key[:4] for key in res}, key=lambda r: (r[0], r[1] != "greedy", str(r[2]).zfill(4), r[3]))
     for B, mode, k, v in rows:
         L.append(f"| {B} | {mode} | {k} | {v} | {fmt3(res, B, mode, k, v, 'tps', '.0f')} | "
@@ -276,7 +283,7 @@ def tables(res, a) -> list[str]:
                  f"{fmt3(res, B, mode, k, v, 'tps_step', '.2f')} | "
                  f"{fmt3(res, B, mode, k, v, 'acc', '.3f')} | "
                  f"{fmt3(res, B, mode, k, v, 'kmean', '.2f') if str(k).startswith(AUTO) else k} | "
-                 f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} |")
+                 f"{fmt3(res, B, mode, k, v, 'ms_replay', '.3f')} | {fmt3(res, B, mode, k, v, 'prefills', 'g')} |")
     L.append("")
     order = lambda kv: (kv[0][0], kv[0][1] != "greedy", kv[0][3], WORKLOADS.index(kv[0][4]))  # noqa: E731
     for (B, mode, k, v, w), r in sorted(res.items(), key=order):
@@ -359,6 +366,7 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
          f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; spread: (max - "
          f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
+         f"prefills/call: prefill forwards per call (median); "
          + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")
          + f"admission_wait {'max_batch_size' if a.admission_wait is None else a.admission_wait} slot-steps"
          + (" (\"at once\": 0); " if a.at_once_too else "; ")

@@ -52,7 +52,7 @@ def test_bench_step_settings_reject_bad_input(pair, message):
 
 
 class _Stats:
-    generated_tokens, steps, request_steps, acceptance_rate, k_per_step = 64, 16, 17, 0.5, [2] * 16
+    generated_tokens, steps, request_steps, acceptance_rate, k_per_step, prefills = 64, 16, 17, 0.5, [2] * 16, 3
 
 
 class _FakeEngine:
@@ -72,7 +72,8 @@ class _FakeEngine:
 @pytest.mark.parametrize("cut_after", [None, 7])
 def test_bench_adaptive_keeps_the_rounds_of_a_run_cut_short(monkeypatch, tmp_path, cut_after):
     """Each finished round of timed calls is in the report at once, and the report says how many calls its medians
-    hold: a run stopped in its third round leaves the first two, said to be 2 of the 4 asked; a whole run says 4."""
+    hold: a run stopped in its third round leaves the first two, said to be 2 of the 4 asked; a whole run says 4.
+    The engine's compile times are in it from the start, and each cell's prefills per call."""
     import bench_adaptive
 
     calls = []
@@ -99,6 +100,8 @@ def test_bench_adaptive_keeps_the_rounds_of_a_run_cut_short(monkeypatch, tmp_pat
     text = out.read_text()
     said = "the median of 4 timed" if cut_after is None else "the median of 2 (of 4 asked: the run was cut short)"
     assert said in text and "| 1 | greedy | auto | token |" in text, text
+    assert "- B=1 K=auto token: load " in text and "compile+capture greedy " in text, text
+    assert "| 3 / 3 / 3 |" in text.split("| 1 | greedy | auto | token |")[1].splitlines()[0], text
 
 
 def test_bench_adaptive_at_once_twins(monkeypatch, tmp_path):
