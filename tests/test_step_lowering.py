@@ -192,7 +192,7 @@ def test_kernel_inputs_keep_their_traced_strides():
     assert _lowered("permuted q")["stride mismatches"] == ["_decode_attention_kernel.q_ptr"]
 
 
-def test_engine_hands_inductor_the_kernel_options(monkeypatch):
+def test_engine_hands_inductor_the_kernel_options(monkeypatch, tmp_path):
     """The engine's step compile passes INDUCTOR_CONFIGS (the keys this torch knows) to inductor; the backend
     alone keeps inductor's defaults, and a caller's options={"inductor": ...} reach inductor as given."""
     import torch
@@ -215,13 +215,7 @@ def test_engine_hands_inductor_the_kernel_options(monkeypatch):
     assert not set(INDUCTOR_CONFIGS) & set(plain), plain
     assert given["comprehensive_padding"] is True
 
-    from helpers import build_tokenizer, make_checkpoint, perturbed_copy
-    from spec_graph import SpecDecoder, SpecGraphConfig
-
-    root = Path(__import__("tempfile").mkdtemp())
-    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
-    dec = SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
-                                      SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
+    dec = _one_layer_decoder(tmp_path)
     torch._dynamo.reset()
     with torch.inference_mode():
         dec._step_fn(True)(*dec._step_args(1))
@@ -232,19 +226,24 @@ def test_engine_hands_inductor_the_kernel_options(monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_engine_keeps_its_step_ops_opaque_where_it_replays_graphs(graphs, monkeypatch):
+def test_engine_keeps_its_step_ops_opaque_where_it_replays_graphs(graphs, monkeypatch, tmp_path):
     """The engine compiles its step with opaque_kernels on a platform whose steps replay from graphs (where the ops'
     own launches are captured once), and decomposed elsewhere."""
-    from helpers import build_tokenizer, make_checkpoint, perturbed_copy
     import spec_graph.engine as engine_mod
-    from spec_graph import SpecDecoder, SpecGraphConfig
 
     asked = []
     monkeypatch.setattr(engine_mod, "backend_compile", lambda fn, *a, **k: asked.append(k) or fn)
-    root = Path(__import__("tempfile").mkdtemp())
-    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
-    dec = SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
-                                      SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
+    dec = _one_layer_decoder(tmp_path)
     monkeypatch.setattr(type(dec.platform), "supports_graphs", property(lambda self: graphs))
     dec._step_fn(True)
     assert asked and asked[-1]["opaque_kernels"] is graphs
+
+
+def _one_layer_decoder(root: Path):
+    """An engine over a one-layer target and a near draft (K=2, max_len 32), built on the CPU."""
+    from helpers import build_tokenizer, make_checkpoint, perturbed_copy
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
+    return SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
+                                       SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
