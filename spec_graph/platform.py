@@ -193,17 +193,3 @@ def multiprocessors(device: torch.device) -> int:
 
 def max_programs(device: torch.device) -> int:
     return get(device).max_programs() if device.type != "cpu" else DEFAULT_MAX_PROGRAMS
-
-
-@functools.lru_cache(maxsize=None)
-def dependent_launch(device: torch.device) -> bool:
-    """Whether a kernel launched on `device` may start while the kernel before it on the stream finishes
-    (programmatic dependent launch: NVIDIA GPUs from Hopper (sm90) on, and a Triton with griddepcontrol)."""
-    if device.type != "cuda" or torch.version.hip or not triton_available():
-        return False
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-

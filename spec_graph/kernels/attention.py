@@ -27,7 +27,6 @@ import torch
 from ._triton import tl, triton
 
 from .. import platform
-from .dependent_launch import launch_options, release_dependents, wait_inputs
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
@@ -107,7 +106,7 @@ def _decode_attention_kernel(
         B, T, HKV, G, LC, WINDOW, NUM_SPLITS, qk_scale,
         sqb, sqt, sqh, sqd, sks, skh, skl, skd, svs, svh, svl, svd, spb, spt, sob, sot, soh, sod,
         HAS_SLOTS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Split s of (row b, kv head j) for work items w = pid, pid + nprog, ... (grid-stride).
 
     Query rows r = g * T + t (r < G * T) are head j * G + g at position p_r = positions[b, t].
@@ -117,9 +116,7 @@ def _decode_attention_kernel(
         s_rk = qk_scale * q_r . k_k (log2 units) where p_r - WINDOW < k <= p_r, else -inf
         m_r = max_k s_rk,  l_r = sum_k 2^(s_rk - m_r),  acc_r = sum_k 2^(s_rk - m_r) v_k   (fp32, online)
     DIRECT (one split): out = acc / l; else (acc, m, l) go to the workspace for the combine kernel.
-    PDL (dependent_launch.py): every read after the wait; the next kernel is released once the keys are read.
     """
-    wait_inputs(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     qk_scale = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
@@ -161,7 +158,6 @@ def _decode_attention_kernel(
         for n in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, k_base, v_base, n + offs_n, end, qpos, q_lo, m_i, l_i, acc, qk_scale,
                                           skl, skd, svl, svd, offs_d, IEEE, UPCAST)
-        release_dependents(PDL)
 
         if DIRECT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -175,12 +171,11 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, B, T, HKV, G, NUM_SPLITS, sob, sot, soh, sod,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge the splits of query row r of (row b, kv head j), for items w = pid, pid + nprog, ... (grid-stride).
 
         M = max_s m_s;  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s   (empty splits: l_s = 0, unread)
     """
-    wait_inputs(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_s = tl.arange(0, BLOCK_S)
@@ -200,7 +195,6 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, B, T, HKV, G, NUM_SPLITS, so
                       other=0.0)
         l = tl.sum(l_s * wgt, axis=0)
         o = tl.sum(a_s * wgt[:, None], axis=0) / tl.where(l > 0, l, 1.0)
-        release_dependents(PDL)
         b = bj // HKV
         head = (bj % HKV) * G + r // T
         tl.store(out_ptr + b * sob + (r % T) * sot + head * soh + offs_d * sod, o.to(out_ptr.dtype.element_ty))
@@ -255,11 +249,10 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         B, T, Hkv, G, Lc, window if window > 0 else Lc, splits, qk_scale,
         *s_q, *s_k, *s_v, pos.stride(0), pos.stride(1), *s_o,
         HAS_SLOTS=slots is not None, DIRECT=direct, IEEE=q.dtype == torch.float32, UPCAST=dev.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, **LAUNCH, **launch_options(q))
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, **LAUNCH)
     if not direct:
         wrap_triton(_combine_kernel)[(max(1, min(B * Hkv * G * T, cap)),)](
-            ws_acc, ws_ml, out, B, T, Hkv, G, splits, *s_o, BLOCK_S=block_for(splits), BLOCK_D=D,
-            **launch_options(q))
+            ws_acc, ws_ml, out, B, T, Hkv, G, splits, *s_o, BLOCK_S=block_for(splits), BLOCK_D=D)
     return out
 
 

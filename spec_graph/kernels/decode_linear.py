@@ -32,7 +32,6 @@ from ._triton import tl, triton
 
 from .. import platform
 from .counters import arrive_last, rearm
-from .dependent_launch import launch_options, release_dependents, wait_inputs
 from . import linear_launch as launch
 from .rng import block_for, use_kernel, wrap_triton
 
@@ -203,19 +202,16 @@ def _store_qkv(y, col, offs_m, mn_ok, kv_ok, out_ptr, som, kc_ptr, vc_ptr, row_k
 
 @triton.jit
 def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps, MODE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PDL: tl.constexpr):
+                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 sums [BLOCK_M, BLOCK_N] over all of K (<= BLOCK_K) on CUDA cores in one step: the weight tiles and x
     load together, and the norm's statistics come from the same x tile, so that a program waits on memory once
-    (a loop waits once per K step, and the norm's own pass over x once more before the weights go out). Under
-    PDL the weight loads go out before the wait for the kernel before."""
+    (a loop waits once per K step, and the norm's own pass over x once more before the weights go out)."""
     k_ok = offs_k < K
     w_ok = n_ok[:, None] & k_ok[None, :]
     wa = tl.load(wa_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
     wb = wa
     if MODE != 0:  # paired: a second row block
         wb = tl.load(wb_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
-    wait_inputs(PDL)
     if BLOCK_M == 1:
         acc_a, acc_b = _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, m_ok, K, eps, MODE, HAS_NORM, UPCAST)
     else:  # a row at a time, each x row in the weight tile's layout (a 3-D product would not fit the registers)
@@ -259,8 +255,7 @@ def _decode_linear_kernel(
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
-        PDL: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ONE_STEP: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -284,8 +279,6 @@ def _decode_linear_kernel(
     partial products over K until one reduction at the end (few rows: the weight tile is read once and
     multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading). ONE_STEP (CUDA
     cores, K <= BLOCK_K, no split): no loop; every load of the program goes out at once (see _one_step_sums).
-    PDL (dependent_launch.py): no read of x, r, cos, sin, the caches or the counters before the wait; the next
-    kernel is released once the sums are done.
     """
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
@@ -299,9 +292,8 @@ def _decode_linear_kernel(
     wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
     if ONE_STEP:
         acc_a, acc_b = _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps,
-                                      MODE, HAS_NORM, UPCAST, BLOCK_M, BLOCK_N, PDL)
+                                      MODE, HAS_NORM, UPCAST, BLOCK_M, BLOCK_N)
     else:
-        wait_inputs(PDL)
         if HAS_NORM:
             rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK)
         else:
@@ -345,7 +337,6 @@ def _decode_linear_kernel(
             else:
                 acc_a = tl.sum(acc3_a, axis=2)
                 acc_b = tl.sum(acc3_b, axis=2)
-    release_dependents(PDL)
     last = True
     if SPLIT_K > 1:
         acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
@@ -464,7 +455,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, SPLIT_K=split,
         NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
-        ONE_STEP=launch.one_step(dot, split, K, block_k), **launch_options(x))
+        ONE_STEP=launch.one_step(dot, split, K, block_k))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
