@@ -124,10 +124,7 @@ def main():
                       "by tests/test_gpu.py::test_export_bench_pair_loaded_and_captured)"))]
     if host:
         lines += bs.host_lines(B, *host)
-    out = Path(a.out)
-    prev = out.read_text() if out.exists() else "# Benchmark results\n"
-    out.write_text(prev.rstrip() + "\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    bs.append_section(a.out, lines)
 
 
 if __name__ == "__main__":

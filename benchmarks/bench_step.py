@@ -454,28 +454,32 @@ def settings_as(module, **values):
             setattr(module, name, value)
 
 
+def parse_setting(pair: str, flag: str = "--set") -> tuple:
+    """MODULE.NAME=VALUE -> (module, name, value) of a spec_graph.kernels setting (VALUE a Python literal); exits
+    with a message that names the problem."""
+    target, eq, value = pair.partition("=")
+    module, _, name = target.rpartition(".")
+    if not eq or not module or not name:
+        sys.exit(f"{flag} takes MODULE.NAME=VALUE (e.g. linear_launch.ONE_STEP_ROWS=1), got {pair!r}")
+    try:
+        mod = importlib.import_module(f"spec_graph.kernels.{module}")
+    except ModuleNotFoundError:
+        sys.exit(f"{flag} {pair!r}: spec_graph.kernels has no module {module!r}")
+    if not name.isupper() or not hasattr(mod, name):
+        sys.exit(f"{flag} {pair!r}: spec_graph.kernels.{module} has no setting {name!r}")
+    try:
+        return mod, name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        sys.exit(f"{flag} {pair!r}: {value!r} is not a Python literal")
+
+
 def apply_settings(pairs: list[str]) -> None:
     """--set MODULE.NAME=VALUE: a setting of a spec_graph.kernels module (VALUE a Python literal), set before
     anything compiles. The spec_graph backend's cache key holds these settings (kernels.launch_key), so runs of one
     machine that set them differently each compile their own step; (e), a plain torch.compile, has no such key, so
     with any setting inductor's caches are off for the run (else (e) could load a graph built under other
     settings)."""
-    settings = []
-    for pair in pairs:
-        target, eq, value = pair.partition("=")
-        module, _, name = target.rpartition(".")
-        if not eq or not module or not name:
-            sys.exit(f"--set takes MODULE.NAME=VALUE (e.g. linear_launch.ONE_STEP_ROWS=1), got {pair!r}")
-        try:
-            mod = importlib.import_module(f"spec_graph.kernels.{module}")
-        except ModuleNotFoundError:
-            sys.exit(f"--set {pair!r}: spec_graph.kernels has no module {module!r}")
-        if not name.isupper() or not hasattr(mod, name):
-            sys.exit(f"--set {pair!r}: spec_graph.kernels.{module} has no setting {name!r}")
-        try:
-            settings.append((mod, name, ast.literal_eval(value)))
-        except (ValueError, SyntaxError):
-            sys.exit(f"--set {pair!r}: {value!r} is not a Python literal")
+    settings = [parse_setting(pair) for pair in pairs]
     if settings:
         from torch._functorch import config as aot_config
         from torch._inductor import config as inductor_config
@@ -648,10 +652,15 @@ def main_table(a) -> None:
          f"- the step (c) of the pair (bf16, K={K}) at each static max_len and live context; CUDA-event medians of "
          f"{a.iters}; floor = weights + live KV over the measured copy bandwidth {bw / 1e12:.2f} TB/s; "
          f"whole run {(time.time() - t0) / 60:.1f} min", ""] + table
-    out = Path(a.out)
+    append_section(a.out, L)
+
+
+def append_section(path, lines: list[str]) -> None:
+    """Add a section (lines) at the end of the report at `path` (a new report if there is none) and print it."""
+    out = Path(path)
     prev = out.read_text() if out.exists() else "# Benchmark results\n"
-    out.write_text(prev.rstrip() + "\n\n" + "\n".join(L) + "\n")
-    print("\n".join(L))
+    out.write_text(prev.rstrip() + "\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def floors(res, Bs, bw, models) -> None:

@@ -7,6 +7,7 @@ from torch._functorch import config as aot_config
 from torch._inductor import config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab_step  # noqa: E402
 import bench_step  # noqa: E402
 
 from spec_graph.kernels import launch_key, linear_launch  # noqa: E402
@@ -49,6 +50,22 @@ def test_bench_step_settings_reject_bad_input(pair, message):
         with pytest.raises(SystemExit, match=message):
             bench_step.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}", pair])
         assert linear_launch.ONE_STEP_ROWS == ROWS and inductor_config.fx_graph_cache is True
+
+
+def test_ab_step_values_of_one_setting():
+    mod, name, values = ab_step.parse_values("attention.MIN_SPLIT_KEYS=64,256,1024")
+    assert (mod.__name__, name, values) == ("spec_graph.kernels.attention", "MIN_SPLIT_KEYS", [64, 256, 1024])
+    assert ab_step.parse_values("linear_launch.ONE_STEP_K=0")[2] == [0]
+
+
+@pytest.mark.parametrize("text,message", [("attention.MIN_SPLIT_KEYS", "MODULE.NAME=V1,V2"),
+                                          ("attention.MIN_SPLIT_KEYS=", "MODULE.NAME=V1,V2"),
+                                          ("nomodule.X=1,2", "no module"),
+                                          ("attention.NOPE=1,2", "no setting"),
+                                          ("attention.MIN_SPLIT_KEYS=64,abc", "not a Python literal")])
+def test_ab_step_rejects_bad_settings(text, message):
+    with pytest.raises(SystemExit, match=message):
+        ab_step.parse_values(text)
 
 
 class _Stats:

@@ -1,0 +1,104 @@
+"""The captured step (c) and target-only decode (e) of bench_step.py's pair under each value of one kernel
+setting, interleaved in one process: an A/B that the drift between machines and runs does not blur.
+
+    python benchmarks/ab_step.py --setting attention.MIN_SPLIT_KEYS=64,256 [--batch-size 1] [--rounds 5]
+        [--iters 100] [--out benchmarks/RESULTS.md]
+
+The engine compiles its step with the ops opaque (the backend's opaque_kernels): each op picks its launch
+(tiles, splits) in its own body when the step is captured. So one compile serves every value of a launch
+setting, and each round recaptures the step under each value in turn. (e) here is the target's one-token
+decode compiled the same way (not bench_step's plain torch.compile, which bakes the launches in at compile).
+Per value: the median over rounds of each round's median replay time (CUDA events) and the rounds' range (no
+profiler: a capture after one failed on the H200). A setting read only at compile time (not in an op's body) shows no difference here.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_step as bs  # noqa: E402
+
+from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.backend import backend_compile  # noqa: E402
+from spec_graph.capture import GraphSet  # noqa: E402
+
+
+def parse_values(text: str) -> tuple:
+    """MODULE.NAME=V1,V2,... -> (module, name, [values]) of a spec_graph.kernels setting (values: Python literals
+    without commas); exits with a message that names the problem."""
+    target, eq, values = text.partition("=")
+    if not eq or not values:
+        sys.exit(f"--setting takes MODULE.NAME=V1,V2,... (e.g. attention.MIN_SPLIT_KEYS=64,256), got {text!r}")
+    parsed = [bs.parse_setting(f"{target}={v}", "--setting") for v in values.split(",")]
+    return parsed[0][0], parsed[0][1], [value for _, _, value in parsed]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--setting", required=True, metavar="MODULE.NAME=V1,V2,...")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out", default=str(bs.ROOT / "benchmarks" / "RESULTS.md"))
+    a = ap.parse_args()
+    mod, name, values = parse_values(a.setting)
+    if not torch.cuda.is_available():
+        sys.exit("ab_step.py needs a CUDA GPU")
+    B = a.batch_size
+    torch.backends.cuda.matmul.allow_tf32 = True
+    (tdir, hf_t), (ddir, hf_d) = bs.make_pair(Path(tempfile.mkdtemp()))
+    del hf_t, hf_d
+    torch.cuda.empty_cache()
+    bs.progress("spec-graph step: compile + capture")
+    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bs.Bar(1, "compile+capture"))
+    snap = bs.prime(dec, B)
+    kv = dec.target.new_kv_cache(B, bs.CACHE_LEN)
+    tok = torch.randint(0, 32000, (B, 1), device="cuda")
+    pos = torch.full((B, 1), bs.CONTEXT, device="cuda")
+    target = dec.target
+    bs.progress("target-only decode: compile")
+    decode = backend_compile(lambda: target(tok, pos, *kv), "cuda", opaque_kernels=True)
+
+    times = {v: {"c": [], "e": []} for v in values}
+    saved = getattr(mod, name)
+    try:
+        for r in range(a.rounds):
+            for v in values:
+                setattr(mod, name, v)
+                dec.state["active"].zero_()  # captures start from inactive rows (as bench_step's recaptures)
+                bs.recapture(dec, 1, bs.Bar(1, f"round {r + 1}: {name}={v!r}"))
+                step = lambda: dec._run_steps(B, True)  # noqa: E731
+                times[v]["c"].append(bs.median_ms(step, a.iters, setup=lambda: bs.restore(dec, snap)))
+                g = GraphSet(sg_platform.current())
+                with torch.no_grad():
+                    assert g.capture(("decode", B), decode), g.failed
+                e_step = lambda: g.replay(("decode", B))  # noqa: E731
+                times[v]["e"].append(bs.median_ms(e_step, a.iters))
+                bs.restore(dec, snap)
+                bs.progress(f"  {name}={v!r}: (c) {times[v]['c'][-1]:.3f} ms, (e) {times[v]['e'][-1]:.3f} ms")
+    finally:
+        setattr(mod, name, saved)
+
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    base = values[0]
+    L = bs.report_head(f"ab_step: {mod.__name__.rsplit('.', 1)[-1]}.{name}", "ab_step.py",
+                       sg_platform.current().device_name()) + [
+        f"- bench_step's pair, bf16, K={bs.K}, B={B}, context {bs.CONTEXT}, static cache {bs.CACHE_LEN}; "
+        f"{a.rounds} rounds, each value recaptured in turn; per round the median of {a.iters} replays", "",
+        "| value | (c) ms | (c) range | (c) vs first | (e) ms | (e) range | (e) vs first |",
+        "|---|---|---|---|---|---|---|"]
+    for v in values:
+        c, e = times[v]["c"], times[v]["e"]
+        L.append(f"| {v!r} | {med(c):.3f} | {min(c):.3f}-{max(c):.3f} | {med(c) / med(times[base]['c']):.3f}x "
+                 f"| {med(e):.3f} | {min(e):.3f}-{max(e):.3f} | {med(e) / med(times[base]['e']):.3f}x |")
+    bs.append_section(a.out, L)
+
+
+if __name__ == "__main__":
+    main()
