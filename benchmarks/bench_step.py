@@ -11,7 +11,9 @@ heads, inter 2048, ~74M). Variants, in ms per speculative iteration:
       acceptance decided on the host every iteration
   (c) spec-graph: the whole step captured as one graph (fusion passes on; and off)
   (d) spec-graph multi-step: 8 steps per graph, per step
-  (e) a captured target-only single-token decode step
+  (e) a captured target-only single-token decode step, compiled as the engine compiles its step (the
+      spec_graph backend with its inductor settings and the ops opaque); ``--e-plain`` also times it compiled
+      by a plain torch.compile, as (e) was before 2026-12-04
   and the bytes floor: weights + KV read per step over the measured copy bandwidth.
 
 Timings are CUDA-event medians after warm-up. Each run also counts the kernels of one (c) and one (e)
@@ -50,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from spec_graph import SpecGraphConfig  # noqa: E402
 from spec_graph.config import cache_length  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
+from spec_graph.backend import backend_compile  # noqa: E402
 from spec_graph.capture import GraphSet  # noqa: E402
 from spec_graph.engine import SpecDecoder  # noqa: E402
 from spec_graph.kernels import PLACEHOLDER  # noqa: E402
@@ -328,14 +331,21 @@ def recapture(dec: SpecDecoder, steps_per_graph: int, bar: Bar) -> None:
 
 
 # ----------------------------------------------------------------- (e) target-only decode
-def bench_target_decode(target, B: int, iters: int, graphs: GraphSet) -> float:
+def bench_target_decode(target, B: int, iters: int, graphs: GraphSet, plain: bool = False) -> tuple:
+    """(ms per replay, kernels per replay) of the target's one-token decode at B rows, captured; compiled as the
+    engine compiles its step, or (plain) by torch.compile with inductor's defaults."""
     kv = target.new_kv_cache(B, CACHE_LEN)
     tok = torch.randint(0, 32000, (B, 1), device="cuda")
     pos = torch.full((B, 1), CONTEXT, device="cuda")
-    f = torch.compile(lambda: target(tok, pos, *kv), fullgraph=True, dynamic=False)
+    fn = lambda: target(tok, pos, *kv)  # noqa: E731
+    if plain:
+        f = torch.compile(fn, fullgraph=True, dynamic=False)
+    else:
+        f = backend_compile(fn, "cuda", opaque_kernels=True)
     with torch.no_grad():
-        assert graphs.capture(("decode", B), f)
-        replay = lambda: graphs.replay(("decode", B))  # noqa: E731
+        key = ("decode", B) + (("plain",) if plain else ())
+        assert graphs.capture(key, f), graphs.failed
+        replay = lambda: graphs.replay(key)  # noqa: E731
         return median_ms(replay, iters), kernel_count(replay)
 
 
@@ -476,8 +486,8 @@ def parse_setting(pair: str, flag: str = "--set") -> tuple:
 def apply_settings(pairs: list[str]) -> None:
     """--set MODULE.NAME=VALUE: a setting of a spec_graph.kernels module (VALUE a Python literal), set before
     anything compiles. The spec_graph backend's cache key holds these settings (kernels.launch_key), so runs of one
-    machine that set them differently each compile their own step; (e), a plain torch.compile, has no such key, so
-    with any setting inductor's caches are off for the run (else (e) could load a graph built under other
+    machine that set them differently each compile their own step; --e-plain's plain torch.compile has no such key,
+    so with any setting inductor's caches are off for the run (else it could load a graph built under other
     settings)."""
     settings = [parse_setting(pair) for pair in pairs]
     if settings:
@@ -509,6 +519,8 @@ def main():
     ap.add_argument("--layer-variants", default="",
                     help=f"also time (c) at every batch size with the fused decode linear layers in these models "
                          f"only: {','.join(LAYER_VARIANTS)}")
+    ap.add_argument("--e-plain", action="store_true",
+                    help="also time (e) compiled by a plain torch.compile (inductor's defaults, the ops decomposed)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="a spec_graph.kernels setting for this run, e.g. linear_launch.ONE_STEP_ROWS=1 (repeatable)")
     a = ap.parse_args()
@@ -586,6 +598,9 @@ def main():
         for b in Bs:
             e = attempt("e", errors, bench_target_decode, target, b, a.iters, g)
             res[b]["e"], res[b]["e_kernels"] = e if e is not None else (None, None)
+            if a.e_plain:
+                e = attempt("e_plain", errors, bench_target_decode, target, b, a.iters, g, True)
+                res[b]["e_plain"], res[b]["e_plain_kernels"] = e if e is not None else (None, None)
             bar.step()
         flush(bw)
     if "off" not in skip:
@@ -732,6 +747,10 @@ def report(res, Bs, bw, dev_name, elapsed, a, host1, host8, real):
         L.append(f"- B={b}: kernels per step (c) {cnt(d.get('c_kernels'))}, (e) {cnt(d.get('e_kernels'))}; share of "
                  f"the copy bandwidth reached: (c) {share(d.get('c'), d.get('floor'))}, "
                  f"(e) {share(d.get('e'), d.get('e_floor'))}")
+        if "e_plain" in d:
+            L.append(f"- B={b}: (e) compiled by a plain torch.compile: {f(d.get('e_plain'))} ms, "
+                     f"{cnt(d.get('e_plain_kernels'))} kernels, {share(d.get('e_plain'), d.get('e_floor'))} of the "
+                     f"copy bandwidth (the engine's compile: {f(d.get('e'))} ms)")
     for name in (v for v in a.inductor_variants.split(",") if v):
         t, base = res[Bs[0]].get(f"c_{name}"), res[Bs[0]].get("c")
         L.append(f"- (c) compiled with inductor {INDUCTOR_VARIANTS[name]}, B={Bs[0]}: {f(t)} ms"

@@ -52,6 +52,23 @@ def test_bench_step_settings_reject_bad_input(pair, message):
         assert linear_launch.ONE_STEP_ROWS == ROWS and inductor_config.fx_graph_cache is True
 
 
+def test_bench_step_reports_both_compiles_of_the_target_decode():
+    """(e) is the engine's compile; with --e-plain the plain torch.compile's figures follow it, each with its share
+    of the copy bandwidth; without it, no such line."""
+    import argparse
+
+    a = argparse.Namespace(iters=5, inductor_variants="", layer_variants="")
+    res = {1: {"c": 1.2, "e": 0.6, "e_kernels": 100.0, "e_floor": 0.36, "floor": 0.5}}
+    plain = "(e) compiled by a plain torch.compile"
+    assert not any(plain in line for line in bench_step.report(res, [1], 4e12, "dev", 1.0, a, None, None, None))
+    res[1].update(e_plain=0.72, e_plain_kernels=104.0)
+    lines = bench_step.report(res, [1], 4e12, "dev", 1.0, a, None, None, None)
+    row = next(line for line in lines if line.startswith("| 1 |"))
+    assert "| 0.600 |" in row and row.endswith("| 2.00x |")  # (c)/(e) on the engine's compile
+    assert "(e) 60%" in "\n".join(lines)
+    assert f"- B=1: {plain}: 0.720 ms, 104 kernels, 50% of the copy bandwidth (the engine's compile: 0.600 ms)" in lines
+
+
 def test_ab_step_values_of_one_setting():
     mod, name, values = ab_step.parse_values("attention.MIN_SPLIT_KEYS=64,256,1024")
     assert (mod.__name__, name, values) == ("spec_graph.kernels.attention", "MIN_SPLIT_KEYS", [64, 256, 1024])
