@@ -1,15 +1,16 @@
-"""The captured step (c) and target-only decode (e) of bench_step.py's pair under each value of one kernel
-setting, interleaved in one process: an A/B that the drift between machines and runs does not blur.
+"""A/B of one kernel launch setting on bench_step.py's captured step (c) and target decode (e), interleaved.
+
+Each value is timed in one process, so the drift between machines and runs does not blur the comparison.
 
     python benchmarks/ab_step.py --setting attention.MIN_SPLIT_KEYS=64,256 [--batch-size 1] [--rounds 5]
         [--iters 100] [--out benchmarks/RESULTS.md]
 
 The engine compiles its step with the ops opaque (the backend's opaque_kernels): each op picks its launch
 (tiles, splits) in its own body when the step is captured. So one compile serves every value of a launch
-setting, and each round recaptures the step under each value in turn. (e) here is the target's one-token
-decode compiled the same way (not bench_step's plain torch.compile, which bakes the launches in at compile).
-Per value: the median over rounds of each round's median replay time (CUDA events) and the rounds' range (no
-profiler: a capture after one failed on the H200). A setting read only at compile time (not in an op's body) shows no difference here.
+setting, and each round recaptures the step under each value in turn. (e) is the target's one-token decode,
+compiled as bench_step's (e) is and recaptured likewise. Per value: the median over rounds of each round's
+median replay time (CUDA events) and the rounds' range. A setting read only at compile time (not in an op's
+body) shows no difference here.
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ def parse_values(text: str) -> tuple:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--setting", required=True, metavar="MODULE.NAME=V1,V2,...")
+    ap.add_argument("--setting", required=True, metavar="MODULE.NAME=V1,V2,...",
+                    help="a spec_graph.kernels setting and the values to time, e.g. attention.MIN_SPLIT_KEYS=64,256")
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5, help="times each value is recaptured and timed")
+    ap.add_argument("--iters", type=int, default=100, help="replays per round and value (their median)")
     ap.add_argument("--out", default=str(bs.ROOT / "benchmarks" / "RESULTS.md"))
     a = ap.parse_args()
     mod, name, values = parse_values(a.setting)
