@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
+import bench_util as bu  # noqa: E402
 
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.backend import backend_compile  # noqa: E402
@@ -36,7 +37,7 @@ def parse_values(text: str) -> tuple:
     target, eq, values = text.partition("=")
     if not eq or not values:
         sys.exit(f"--setting takes MODULE.NAME=V1,V2,... (e.g. attention.MIN_SPLIT_KEYS=64,256), got {text!r}")
-    parsed = [bs.parse_setting(f"{target}={v}", "--setting") for v in values.split(",")]
+    parsed = [bu.parse_setting(f"{target}={v}", "--setting") for v in values.split(",")]
     return parsed[0][0], parsed[0][1], [value for _, _, value in parsed]
 
 
@@ -57,14 +58,14 @@ def main():
     (tdir, hf_t), (ddir, hf_d) = bs.make_pair(Path(tempfile.mkdtemp()))
     del hf_t, hf_d
     torch.cuda.empty_cache()
-    bs.progress("spec-graph step: compile + capture")
-    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bs.Bar(1, "compile+capture"))
+    bu.progress("spec-graph step: compile + capture")
+    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bu.Bar(1, "compile+capture"))
     snap = bs.prime(dec, B)
     kv = dec.target.new_kv_cache(B, bs.CACHE_LEN)
     tok = torch.randint(0, 32000, (B, 1), device="cuda")
     pos = torch.full((B, 1), bs.CONTEXT, device="cuda")
     target = dec.target
-    bs.progress("target-only decode: compile")
+    bu.progress("target-only decode: compile")
     decode = backend_compile(lambda: target(tok, pos, *kv), "cuda", opaque_kernels=True)
 
     times = {v: {"c": [], "e": []} for v in values}
@@ -74,22 +75,22 @@ def main():
             for v in values:
                 setattr(mod, name, v)
                 dec.state["active"].zero_()  # captures start from inactive rows (as bench_step's recaptures)
-                bs.recapture(dec, 1, bs.Bar(1, f"round {r + 1}: {name}={v!r}"))
+                bs.recapture(dec, 1, bu.Bar(1, f"round {r + 1}: {name}={v!r}"))
                 step = lambda: dec._run_steps(B, True)  # noqa: E731
-                times[v]["c"].append(bs.median_ms(step, a.iters, setup=lambda: bs.restore(dec, snap)))
+                times[v]["c"].append(bu.median_ms(step, a.iters, setup=lambda: bs.restore(dec, snap)))
                 g = GraphSet(sg_platform.current())
                 with torch.no_grad():
                     assert g.capture(("decode", B), decode), g.failed
                 e_step = lambda: g.replay(("decode", B))  # noqa: E731
-                times[v]["e"].append(bs.median_ms(e_step, a.iters))
+                times[v]["e"].append(bu.median_ms(e_step, a.iters))
                 bs.restore(dec, snap)
-                bs.progress(f"  {name}={v!r}: (c) {times[v]['c'][-1]:.3f} ms, (e) {times[v]['e'][-1]:.3f} ms")
+                bu.progress(f"  {name}={v!r}: (c) {times[v]['c'][-1]:.3f} ms, (e) {times[v]['e'][-1]:.3f} ms")
     finally:
         setattr(mod, name, saved)
 
     med = lambda xs: statistics.median(xs)  # noqa: E731
     base = values[0]
-    L = bs.report_head(f"ab_step: {mod.__name__.rsplit('.', 1)[-1]}.{name}", "ab_step.py",
+    L = bu.report_head(f"ab_step: {mod.__name__.rsplit('.', 1)[-1]}.{name}", "ab_step.py",
                        sg_platform.current().device_name()) + [
         f"- bench_step's pair, bf16, K={bs.K}, B={B}, context {bs.CONTEXT}, static cache {bs.CACHE_LEN}; "
         f"{a.rounds} rounds, each value recaptured in turn; per round the median of {a.iters} replays", "",
@@ -99,7 +100,7 @@ def main():
         c, e = times[v]["c"], times[v]["e"]
         L.append(f"| {v!r} | {med(c):.3f} | {min(c):.3f}-{max(c):.3f} | {med(c) / med(times[base]['c']):.3f}x "
                  f"| {med(e):.3f} | {min(e):.3f}-{max(e):.3f} | {med(e) / med(times[base]['e']):.3f}x |")
-    bs.append_section(a.out, L)
+    bu.append_section(a.out, L)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_default_pair import load_corpus, make_prompts  # noqa: E402
 
-from bench_step import report_head  # noqa: E402
+from bench_util import report_head  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step as bs  # noqa: E402
+import bench_util as bu  # noqa: E402
 from bench_attention import graphed  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.kernels import decode_linear as dl, linear_launch as ll  # noqa: E402
@@ -110,7 +111,7 @@ def layer_shapes(cfg: dict) -> list[tuple[str, int, int]]:
 def timed(plat, fn, iters: int = 20) -> float:
     """ms per call of fn (which makes REPS calls), captured in one graph; median of iters replays."""
     replay, _ = graphed(plat, fn)
-    return bs.median_ms(replay, iters, warmup=3) / REPS
+    return bu.median_ms(replay, iters, warmup=3) / REPS
 
 
 def calls(name: str, M: int, N: int, K: int, cfg: dict, dev, dt):
@@ -229,12 +230,12 @@ def one_row_variants() -> list[tuple[str, dict, int, int]]:
 
 def one_row_settings(tiles: dict, norm_block: int, one_step_k: int):
     """linear_launch's one-row settings set inside, restored after."""
-    return bs.settings_as(ll, CUDA_CORE_TILES=tiles, NORM_BLOCK_K=norm_block, ONE_STEP_K=one_step_k)
+    return bu.settings_as(ll, CUDA_CORE_TILES=tiles, NORM_BLOCK_K=norm_block, ONE_STEP_K=one_step_k)
 
 
 def rows_on_cuda_cores(n: int):
     """linear_launch's ONE_STEP_ROWS set to n, and no bound on the weights, inside; restored after."""
-    return bs.settings_as(ll, ONE_STEP_ROWS=n, ONE_STEP_ROWS_WEIGHTS=float("inf"))
+    return bu.settings_as(ll, ONE_STEP_ROWS=n, ONE_STEP_ROWS_WEIGHTS=float("inf"))
 
 
 def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
@@ -242,7 +243,7 @@ def run_one_row_grid(plat, cfg: dict, layers: list, sync, row) -> None:
     for label, tiles, nb, k in one_row_variants():
         with one_row_settings(tiles, nb, k):
             replay, _ = graphed(plat, chain(cfg, layers, 1, plat.device, torch.bfloat16, sync))
-        row(f" {label}", 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
+        row(f" {label}", 1, bu.median_ms(replay, 20, warmup=3) * 1e3)
 
 
 def per_product_variants() -> list[tuple[str, dict, int]]:
@@ -262,7 +263,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
     one_step_rows: each row count above one also with every product whose K fits one step on CUDA cores)."""
     dev, dt = plat.device, torch.bfloat16
     sync = new_sync(dev)
-    bw = bs.copy_bandwidth()
+    bw = bu.copy_bandwidth()
     print(f"# each model's fused products chained through its layers, one CUDA graph; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     print("| model | M | kernels | us per forward | weight MB | floor us | us per kernel above the floor |")
@@ -281,11 +282,11 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
             for M, nb in itertools.product((int(m) for m in rows.split(",")), (int(b) for b in norm_blocks.split(","))):
                 ll.NORM_BLOCK_K = nb
                 replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
-                row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                row(f", NORM_BLOCK_K {nb}" if norm_blocks != "0" else "", M, bu.median_ms(replay, 20, warmup=3) * 1e3)
                 if one_step_rows and M > ll.CUDA_CORE_ROWS:
                     with rows_on_cuda_cores(M):
                         replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync))
-                    row(f" ONE_STEP_ROWS {M}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                    row(f" ONE_STEP_ROWS {M}", M, bu.median_ms(replay, 20, warmup=3) * 1e3)
         finally:
             ll.NORM_BLOCK_K = saved
         if one_row_grid:
@@ -296,11 +297,11 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                                                 ("no residual", True, True, False),
                                                 ("no split-K, norm or residual", False, False, False)):
                     replay, _ = graphed(plat, chain(cfg, layers, M, dev, dt, sync if split else None, norm, res))
-                    row(f" {label}", M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                    row(f" {label}", M, bu.median_ms(replay, 20, warmup=3) * 1e3)
             timed_runs = []
             for block_n, block_k, warps in GRID_GEMV:
                 replay, _ = graphed(plat, gemv_chain(mats, dev, dt, block_n, block_k, warps))
-                timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (block_n, block_k, warps)))
+                timed_runs.append((bu.median_ms(replay, 20, warmup=3) * 1e3, (block_n, block_k, warps)))
             for t, conf in sorted(timed_runs)[:3]:
                 row(f" plain one-row products (BLOCK_N, BLOCK_K, warps) = {conf}", 1, t)
         if per_product:
@@ -319,7 +320,7 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                 for how, tiles, k, fn in runs:
                     with one_row_settings(tiles, ll.NORM_BLOCK_K, k):
                         replay, _ = graphed(plat, fn)
-                    product_row(how, 1, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                    product_row(how, 1, bu.median_ms(replay, 20, warmup=3) * 1e3)
                 for M in (int(m) for m in rows.split(",")) if one_step_rows else ():
                     if M <= ll.CUDA_CORE_ROWS:
                         continue
@@ -327,15 +328,15 @@ def run_chain(plat, rows: str, norm_blocks: str = "0", ablate: bool = False, one
                     for how, forced in (("default", False), (f"ONE_STEP_ROWS {M}", True)):
                         with rows_on_cuda_cores(M) if forced else contextlib.nullcontext():
                             replay, _ = graphed(plat, fn)
-                        product_row(how, M, bs.median_ms(replay, 20, warmup=3) * 1e3)
+                        product_row(how, M, bu.median_ms(replay, 20, warmup=3) * 1e3)
         timed_runs = []
         for per_sm, block, warps in GRID_STREAM:
             replay, _ = graphed(plat, stream_chain(mats, dev, per_sm * sms, block, warps))
-            timed_runs.append((bs.median_ms(replay, 20, warmup=3) * 1e3, (per_sm, block, warps)))
+            timed_runs.append((bu.median_ms(replay, 20, warmup=3) * 1e3, (per_sm, block, warps)))
         t, conf = min(timed_runs)
         row(f" streaming baseline, best (programs/SM, BLOCK, warps) = {conf}", "-", t)
         replay, _ = graphed(plat, stream_chain(mats, dev, conf[0] * sms, conf[1], conf[2], empty=True))
-        t = bs.median_ms(replay, 20, warmup=3) * 1e3
+        t = bu.median_ms(replay, 20, warmup=3) * 1e3
         print(f"| {model} empty kernels (no weight read) | - | {n} | {t:.1f} | 0 | 0 | {t / n:.2f} |", flush=True)
 
 
@@ -358,7 +359,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="a spec_graph.kernels setting for this run, e.g. linear_launch.SPLIT_MIN_TILES=4 (repeatable)")
     a = ap.parse_args()
-    bs.apply_settings(a.set)
+    bu.apply_settings(a.set)
     if (a.norm_blocks != "0" or a.ablate or a.one_row_grid or a.per_product or a.one_step_rows) and not a.chain:
         ap.error("--norm-blocks, --ablate, --one-row-grid, --per-product and --one-step-rows go with --chain")
     plat = sg_platform.current()

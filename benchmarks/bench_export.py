@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
+import bench_util as bu  # noqa: E402
 
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.export import export_pair, load_exported  # noqa: E402
@@ -74,7 +75,7 @@ def main():
     del hf_t, hf_d
     torch.cuda.empty_cache()
 
-    bs.progress("export (AOTInductor)")
+    bu.progress("export (AOTInductor)")
     pkg = root / "pair.pt2"
     t0 = time.time()
     meta = export_pair(tdir, ddir, pkg, num_speculative_tokens=bs.K, batch_sizes=(B,), max_len=bs.MAX_LEN,
@@ -82,17 +83,17 @@ def main():
     export_s = time.time() - t0
     size_ratio = pkg.stat().st_size / meta["weight_bytes"]
 
-    bs.progress("in-process engine: compile + capture")
-    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bs.Bar(1, "compile+capture"))
+    bu.progress("in-process engine: compile + capture")
+    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bu.Bar(1, "compile+capture"))
     prompts = [torch.randint(0, 32000, (64,)).tolist() for _ in range(B)]
     want = [r.token_ids for r in dec.generate(prompts, NEW_TOKENS)]
     ms_inproc = bs.bench_specgraph(dec, B, a.iters, 1)
     host = None
     if a.host:  # bench_step's host CPU comparison, on this engine
-        bs.progress("host CPU time per token, N=1 vs N=8")
-        host = [bs.host_cpu_per_token(dec, B, n, bs.Bar(1, f"capture N={n}")) for n in (1, 8)]
+        bu.progress("host CPU time per token, N=1 vs N=8")
+        host = [bs.host_cpu_per_token(dec, B, n, bu.Bar(1, f"capture N={n}")) for n in (1, 8)]
 
-    bs.progress("load + capture the export (child process)")
+    bu.progress("load + capture the export (child process)")
     try:
         loaded = loaded_in_child(pkg, B, a.iters, prompts)
     except KeyboardInterrupt:  # a time limit: keep the figures measured so far
@@ -124,7 +125,7 @@ def main():
                       "by tests/test_gpu.py::test_export_bench_pair_loaded_and_captured)"))]
     if host:
         lines += bs.host_lines(B, *host)
-    bs.append_section(a.out, lines)
+    bu.append_section(a.out, lines)
 
 
 if __name__ == "__main__":

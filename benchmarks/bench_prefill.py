@@ -8,6 +8,7 @@ prints the first call of each (compiles and captures), the median wall time per 
 collector off), how many rows' tokens differ between the modes (bf16 rounding of two attention kernels), and a
 1-token generate of B prompts (a prefill and its read, synchronized).
 """
+import argparse
 import gc
 import statistics
 import sys
@@ -23,8 +24,11 @@ from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph.cli import DEFAULT_PAIR  # noqa: E402
 
 
-B = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("B", type=int, nargs="?", default=8, help="rows of the engine's one batch bucket (default 8)")
+ap.add_argument("repeats", type=int, nargs="?", default=7, help="timed calls per mode and workload (default 7)")
+args = ap.parse_args()
+B, reps = args.B, args.repeats
 if not torch.cuda.is_available():
     sys.exit("bench_prefill.py times CUDA graphs: it needs a CUDA GPU")
 w = workloads(16)

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
+import bench_util as bu  # noqa: E402
 
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph.capture import GraphSet  # noqa: E402
@@ -30,7 +31,7 @@ REPLAYS = 20
 def kernel_table(fn, replays: int = REPLAYS, top: int = 25) -> tuple[list[str], float, float]:
     """Profile ``replays`` calls of ``fn``; return table lines, kernels per call, kernel ms per call."""
     agg: dict = defaultdict(lambda: [0, 0.0])
-    for ev in bs.device_events(fn, replays):
+    for ev in bu.device_events(fn, replays):
         dur = getattr(ev, "device_time", None)
         if dur is None:
             dur = ev.cuda_time
@@ -59,16 +60,16 @@ def main():
     torch.cuda.empty_cache()
     L = [f"# profile_step B={B} — torch {torch.__version__}, {sg_platform.current().device_name()}", ""]
 
-    bs.progress("spec-graph step: compile + capture")
-    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bs.Bar(1, "compile+capture"))
+    bu.progress("spec-graph step: compile + capture")
+    dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bu.Bar(1, "compile+capture"))
     snap = bs.prime(dec, B)
-    ms = bs.median_ms(lambda: dec._run_steps(B, True), a.iters, setup=lambda: bs.restore(dec, snap))
+    ms = bu.median_ms(lambda: dec._run_steps(B, True), a.iters, setup=lambda: bs.restore(dec, snap))
     bs.restore(dec, snap)
     lines, n, kt = kernel_table(lambda: (bs.restore(dec, snap), dec._run_steps(B, True)))
     L += [f"## (c) spec-graph step: {ms:.3f} ms per replay; {n:.0f} kernels, {kt:.3f} ms of kernel time "
           "per replay (includes the state restore copies)", ""] + lines + [""]
 
-    bs.progress("target-only decode: compile + capture")
+    bu.progress("target-only decode: compile + capture")
     g = GraphSet(sg_platform.current())
     e_ms, _ = bs.bench_target_decode(dec.target, B, a.iters, g)
     lines, n, kt = kernel_table(lambda: g.replay(("decode", B)))

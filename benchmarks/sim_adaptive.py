@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_adaptive as ba  # noqa: E402
 import torch  # noqa: E402
-from bench_step import settings_as  # noqa: E402
+from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 
 

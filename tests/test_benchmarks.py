@@ -9,6 +9,7 @@ from torch._inductor import config as inductor_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ab_step  # noqa: E402
 import bench_step  # noqa: E402
+import bench_util  # noqa: E402
 
 from spec_graph.kernels import launch_key, linear_launch  # noqa: E402
 
@@ -27,7 +28,7 @@ def test_bench_step_settings_reach_every_compile(monkeypatch):
     fx, aot = caches_on()
     with fx, aot:
         before = launch_key()
-        bench_step.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}"])
+        bench_util.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}"])
         assert linear_launch.ONE_STEP_ROWS == ROWS + 3 and launch_key() != before
         assert inductor_config.fx_graph_cache is False and aot_config.enable_autograd_cache is False
 
@@ -35,7 +36,7 @@ def test_bench_step_settings_reach_every_compile(monkeypatch):
 def test_bench_step_settings_left_alone_without_set():
     fx, aot = caches_on()
     with fx, aot:
-        bench_step.apply_settings([])
+        bench_util.apply_settings([])
         assert inductor_config.fx_graph_cache is True and aot_config.enable_autograd_cache is True
 
 
@@ -48,7 +49,7 @@ def test_bench_step_settings_reject_bad_input(pair, message):
     fx, aot = caches_on()
     with fx, aot:
         with pytest.raises(SystemExit, match=message):
-            bench_step.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}", pair])
+            bench_util.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}", pair])
         assert linear_launch.ONE_STEP_ROWS == ROWS and inductor_config.fx_graph_cache is True
 
 
