@@ -15,6 +15,7 @@ body) shows no difference here.
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 import tempfile
@@ -32,19 +33,27 @@ from spec_graph.capture import GraphSet  # noqa: E402
 
 
 def parse_values(text: str) -> tuple:
-    """MODULE.NAME=V1,V2,... -> (module, name, [values]) of a spec_graph.kernels setting (values: Python literals
-    without commas); exits with a message that names the problem."""
+    """MODULE.NAME=V1,V2,... -> (module, name, [values]) of a spec_graph.kernels setting; the values are read as
+    one Python list, so a value may hold commas itself (a dict of launch options, a tuple). Exits with a message
+    that names the problem."""
     target, eq, values = text.partition("=")
     if not eq or not values:
         sys.exit(f"--setting takes MODULE.NAME=V1,V2,... (e.g. attention.MIN_SPLIT_KEYS=64,256), got {text!r}")
-    parsed = [bu.parse_setting(f"{target}={v}", "--setting") for v in values.split(",")]
-    return parsed[0][0], parsed[0][1], [value for _, _, value in parsed]
+    try:
+        vals = ast.literal_eval(f"[{values}]")
+    except (ValueError, SyntaxError):
+        sys.exit(f"--setting {text!r}: {values!r} is not a comma-separated list of Python literals")
+    if not vals:
+        sys.exit(f"--setting {text!r}: no values")
+    mod, name, _ = bu.parse_setting(f"{target}={vals[0]!r}", "--setting")  # the module and setting exist
+    return mod, name, vals
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", required=True, metavar="MODULE.NAME=V1,V2,...",
-                    help="a spec_graph.kernels setting and the values to time, e.g. attention.MIN_SPLIT_KEYS=64,256")
+                    help="a spec_graph.kernels setting and the values to time (Python literals), e.g. "
+                         "attention.MIN_SPLIT_KEYS=64,256 or \"attention.LAUNCH={},{'num_warps': 2}\"")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5, help="times each value is recaptured and timed")
     ap.add_argument("--iters", type=int, default=100, help="replays per round and value (their median)")

@@ -74,13 +74,16 @@ def test_ab_step_values_of_one_setting():
     mod, name, values = ab_step.parse_values("attention.MIN_SPLIT_KEYS=64,256,1024")
     assert (mod.__name__, name, values) == ("spec_graph.kernels.attention", "MIN_SPLIT_KEYS", [64, 256, 1024])
     assert ab_step.parse_values("linear_launch.ONE_STEP_K=0")[2] == [0]
+    launches = ab_step.parse_values("attention.LAUNCH={},{'num_warps': 2, 'num_stages': 1},{'num_warps': 8}")[2]
+    assert launches == [{}, {"num_warps": 2, "num_stages": 1}, {"num_warps": 8}]  # commas inside a value
 
 
 @pytest.mark.parametrize("text,message", [("attention.MIN_SPLIT_KEYS", "MODULE.NAME=V1,V2"),
                                           ("attention.MIN_SPLIT_KEYS=", "MODULE.NAME=V1,V2"),
                                           ("nomodule.X=1,2", "no module"),
                                           ("attention.NOPE=1,2", "no setting"),
-                                          ("attention.MIN_SPLIT_KEYS=64,abc", "not a Python literal")])
+                                          ("attention.MIN_SPLIT_KEYS=64,abc", "not a comma-separated list"),
+                                          ("attention.MIN_SPLIT_KEYS=64,,", "not a comma-separated list")])
 def test_ab_step_rejects_bad_settings(text, message):
     with pytest.raises(SystemExit, match=message):
         ab_step.parse_values(text)
