@@ -28,7 +28,6 @@ import bench_step as bs  # noqa: E402
 import bench_util as bu  # noqa: E402
 
 from spec_graph import platform as sg_platform  # noqa: E402
-from spec_graph.backend import backend_compile  # noqa: E402
 from spec_graph.capture import GraphSet  # noqa: E402
 
 
@@ -70,12 +69,7 @@ def main():
     bu.progress("spec-graph step: compile + capture")
     dec = bs.build_decoder(tdir, ddir, [B], {}, 1, bu.Bar(1, "compile+capture"))
     snap = bs.prime(dec, B)
-    kv = dec.target.new_kv_cache(B, bs.CACHE_LEN)
-    tok = torch.randint(0, 32000, (B, 1), device="cuda")
-    pos = torch.full((B, 1), bs.CONTEXT, device="cuda")
-    target = dec.target
-    bu.progress("target-only decode: compile")
-    decode = backend_compile(lambda: target(tok, pos, *kv), "cuda", opaque_kernels=True)
+    decode = bs.target_decode(dec.target, B)
 
     times = {v: {"c": [], "e": []} for v in values}
     saved = getattr(mod, name)
@@ -92,12 +86,11 @@ def main():
                     assert g.capture(("decode", B), decode), g.failed
                 e_step = lambda: g.replay(("decode", B))  # noqa: E731
                 times[v]["e"].append(bu.median_ms(e_step, a.iters))
-                bs.restore(dec, snap)
                 bu.progress(f"  {name}={v!r}: (c) {times[v]['c'][-1]:.3f} ms, (e) {times[v]['e'][-1]:.3f} ms")
     finally:
         setattr(mod, name, saved)
 
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     base = values[0]
     L = bu.report_head(f"ab_step: {mod.__name__.rsplit('.', 1)[-1]}.{name}", "ab_step.py",
                        sg_platform.current().device_name()) + [

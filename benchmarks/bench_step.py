@@ -239,17 +239,21 @@ def recapture(dec: SpecDecoder, steps_per_graph: int, bar: Bar) -> None:
 
 
 # ----------------------------------------------------------------- (e) target-only decode
-def bench_target_decode(target, B: int, iters: int, graphs: GraphSet, plain: bool = False) -> tuple:
-    """(ms per replay, kernels per replay) of the target's one-token decode at B rows, captured; compiled as the
-    engine compiles its step, or (plain) by torch.compile with inductor's defaults."""
+def target_decode(target, B: int, plain: bool = False):
+    """The target's one-token decode at B rows (a context of CONTEXT in a CACHE_LEN cache), compiled as the engine
+    compiles its step, or (plain) by torch.compile with inductor's defaults; compiled at its first call."""
     kv = target.new_kv_cache(B, CACHE_LEN)
     tok = torch.randint(0, 32000, (B, 1), device="cuda")
     pos = torch.full((B, 1), CONTEXT, device="cuda")
     fn = lambda: target(tok, pos, *kv)  # noqa: E731
     if plain:
-        f = torch.compile(fn, fullgraph=True, dynamic=False)
-    else:
-        f = backend_compile(fn, "cuda", opaque_kernels=True)
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    return backend_compile(fn, "cuda", opaque_kernels=True)
+
+
+def bench_target_decode(target, B: int, iters: int, graphs: GraphSet, plain: bool = False) -> tuple:
+    """(ms per replay, kernels per replay) of target_decode, captured."""
+    f = target_decode(target, B, plain)
     with torch.no_grad():
         key = ("decode", B) + (("plain",) if plain else ())
         assert graphs.capture(key, f), graphs.failed
