@@ -71,38 +71,44 @@ def main():
     snap = bs.prime(dec, B)
     decode = bs.target_decode(dec.target, B)
 
-    times = {v: {"c": [], "e": []} for v in values}
+    times = [{"c": [], "e": []} for _ in values]  # by position: a value may be a dict, which cannot be a key
     saved = getattr(mod, name)
     try:
         for r in range(a.rounds):
-            for v in values:
+            for v, t in zip(values, times):
                 setattr(mod, name, v)
                 dec.state["active"].zero_()  # captures start from inactive rows (as bench_step's recaptures)
                 bs.recapture(dec, 1, bu.Bar(1, f"round {r + 1}: {name}={v!r}"))
                 step = lambda: dec._run_steps(B, True)  # noqa: E731
-                times[v]["c"].append(bu.median_ms(step, a.iters, setup=lambda: bs.restore(dec, snap)))
+                t["c"].append(bu.median_ms(step, a.iters, setup=lambda: bs.restore(dec, snap)))
                 g = GraphSet(sg_platform.current())
                 with torch.no_grad():
                     assert g.capture(("decode", B), decode), g.failed
                 e_step = lambda: g.replay(("decode", B))  # noqa: E731
-                times[v]["e"].append(bu.median_ms(e_step, a.iters))
-                bu.progress(f"  {name}={v!r}: (c) {times[v]['c'][-1]:.3f} ms, (e) {times[v]['e'][-1]:.3f} ms")
+                t["e"].append(bu.median_ms(e_step, a.iters))
+                bu.progress(f"  {name}={v!r}: (c) {t['c'][-1]:.3f} ms, (e) {t['e'][-1]:.3f} ms")
     finally:
         setattr(mod, name, saved)
 
-    med = statistics.median
-    base = values[0]
     L = bu.report_head(f"ab_step: {mod.__name__.rsplit('.', 1)[-1]}.{name}", "ab_step.py",
                        sg_platform.current().device_name()) + [
         f"- bench_step's pair, bf16, K={bs.K}, B={B}, context {bs.CONTEXT}, static cache {bs.CACHE_LEN}; "
         f"{a.rounds} rounds, each value recaptured in turn; per round the median of {a.iters} replays", "",
-        "| value | (c) ms | (c) range | (c) vs first | (e) ms | (e) range | (e) vs first |",
-        "|---|---|---|---|---|---|---|"]
-    for v in values:
-        c, e = times[v]["c"], times[v]["e"]
-        L.append(f"| {v!r} | {med(c):.3f} | {min(c):.3f}-{max(c):.3f} | {med(c) / med(times[base]['c']):.3f}x "
-                 f"| {med(e):.3f} | {min(e):.3f}-{max(e):.3f} | {med(e) / med(times[base]['e']):.3f}x |")
+    ] + table(values, times)
     bu.append_section(a.out, L)
+
+
+def table(values: list, times: list[dict]) -> list[str]:
+    """The report's rows: each value's (c) and (e) medians over rounds, ranges, and ratios to the first value's."""
+    med = statistics.median
+    L = ["| value | (c) ms | (c) range | (c) vs first | (e) ms | (e) range | (e) vs first |",
+         "|---|---|---|---|---|---|---|"]
+    c0, e0 = med(times[0]["c"]), med(times[0]["e"])
+    for v, t in zip(values, times):
+        c, e = t["c"], t["e"]
+        L.append(f"| {v!r} | {med(c):.3f} | {min(c):.3f}-{max(c):.3f} | {med(c) / c0:.3f}x "
+                 f"| {med(e):.3f} | {min(e):.3f}-{max(e):.3f} | {med(e) / e0:.3f}x |")
+    return L
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Where the captured step's time goes: kernels per replay, their total time, the biggest ones.
 
-    python benchmarks/profile_step.py [--batch-size 1] [--out profile.md]
+    python benchmarks/profile_step.py [--batch-size 1] [--timeline] [--out profile.md]
 
 Builds bench_step.py's random-weight pair, captures the spec-graph step and a
 target-only decode for one batch size, and profiles graph replays with
 torch.profiler: replay time (CUDA events) against the sum of kernel times
 tells launch gaps from kernel work; the kernel table says which kernels to
-attack. Needs a CUDA GPU.
+attack. --timeline adds (c)'s kernels of one replay in launch order, each with its time and the gap before
+it, which tells the draft's forwards from the verify's. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -46,10 +47,24 @@ def kernel_table(fn, replays: int = REPLAYS, top: int = 25) -> tuple[list[str], 
     return lines, n, total
 
 
+def timeline(fn) -> list[str]:
+    """The kernels of one call of ``fn`` in launch order: time, gap since the previous kernel ended (us)."""
+    evs = sorted(bu.device_events(fn, 1), key=lambda ev: ev.time_range.start)
+    lines = ["| # | kernel | us | gap us |", "|---|---|---|---|"]
+    end = None
+    for i, ev in enumerate(evs):
+        start, stop = ev.time_range.start, ev.time_range.end
+        gap = "" if end is None else f"{start - end:.1f}"
+        lines.append(f"| {i} | `{ev.name[:70]}` | {stop - start:.1f} | {gap} |")
+        end = stop
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--timeline", action="store_true", help="also list one replay's kernels in order")
     ap.add_argument("--out", default="profile.md")
     a = ap.parse_args()
     B = a.batch_size
@@ -68,6 +83,9 @@ def main():
     lines, n, kt = kernel_table(lambda: (bs.restore(dec, snap), dec._run_steps(B, True)))
     L += [f"## (c) spec-graph step: {ms:.3f} ms per replay; {n:.0f} kernels, {kt:.3f} ms of kernel time "
           "per replay (includes the state restore copies)", ""] + lines + [""]
+    if a.timeline:
+        L += ["### (c)'s kernels of one replay, in order (the first are the state restore copies)", ""]
+        L += timeline(lambda: (bs.restore(dec, snap), dec._run_steps(B, True))) + [""]
 
     bu.progress("target-only decode: compile + capture")
     g = GraphSet(sg_platform.current())

@@ -78,6 +78,17 @@ def test_ab_step_values_of_one_setting():
     assert launches == [{}, {"num_warps": 2, "num_stages": 1}, {"num_warps": 8}]  # commas inside a value
 
 
+def test_ab_step_table_of_dict_values():
+    """Values that cannot be dict keys (launch options) each get their row, in order, against the first."""
+    values = [{}, {"num_warps": 2}, {"num_warps": 8}]
+    times = [{"c": [1.0, 1.2, 1.1], "e": [0.5, 0.5, 0.6]}, {"c": [0.99, 0.99, 1.32], "e": [0.55, 0.5, 0.6]},
+             {"c": [2.2, 2.2, 2.2], "e": [1.0, 1.0, 1.0]}]
+    rows = ab_step.table(values, times)[2:]
+    assert rows == ["| {} | 1.100 | 1.000-1.200 | 1.000x | 0.500 | 0.500-0.600 | 1.000x |",
+                    "| {'num_warps': 2} | 0.990 | 0.990-1.320 | 0.900x | 0.550 | 0.500-0.600 | 1.100x |",
+                    "| {'num_warps': 8} | 2.200 | 2.200-2.200 | 2.000x | 1.000 | 1.000-1.000 | 2.000x |"]
+
+
 @pytest.mark.parametrize("text,message", [("attention.MIN_SPLIT_KEYS", "MODULE.NAME=V1,V2"),
                                           ("attention.MIN_SPLIT_KEYS=", "MODULE.NAME=V1,V2"),
                                           ("nomodule.X=1,2", "no module"),
