@@ -119,18 +119,23 @@ def settings_as(module, **values):
 
 
 def parse_setting(pair: str, flag: str = "--set") -> tuple:
-    """MODULE.NAME=VALUE -> (module, name, value) of a spec_graph.kernels setting (VALUE a Python literal); exits
-    with a message that names the problem."""
+    """MODULE.NAME=VALUE -> (module, name, value) of a setting of spec_graph.kernels.MODULE or spec_graph.models.MODULE
+    (VALUE a Python literal); exits with a message that names the problem."""
     target, eq, value = pair.partition("=")
     module, _, name = target.rpartition(".")
     if not eq or not module or not name:
         sys.exit(f"{flag} takes MODULE.NAME=VALUE (e.g. linear_launch.ONE_STEP_ROWS=1), got {pair!r}")
-    try:
-        mod = importlib.import_module(f"spec_graph.kernels.{module}")
-    except ModuleNotFoundError:
-        sys.exit(f"{flag} {pair!r}: spec_graph.kernels has no module {module!r}")
+    mod = None
+    for package in ("spec_graph.kernels", "spec_graph.models"):
+        try:
+            mod = importlib.import_module(f"{package}.{module}")
+            break
+        except ModuleNotFoundError:
+            pass
+    if mod is None:
+        sys.exit(f"{flag} {pair!r}: neither spec_graph.kernels nor spec_graph.models has a module {module!r}")
     if not name.isupper() or not hasattr(mod, name):
-        sys.exit(f"{flag} {pair!r}: spec_graph.kernels.{module} has no setting {name!r}")
+        sys.exit(f"{flag} {pair!r}: {mod.__name__} has no setting {name!r}")
     try:
         return mod, name, ast.literal_eval(value)
     except (ValueError, SyntaxError):

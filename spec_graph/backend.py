@@ -83,7 +83,7 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
         patches = {"post_grad_custom_post_pass": passes, **opts.inductor}
         if mode and mode.startswith("max-autotune"):
             patches.setdefault("max_autotune", True)
-        with opaque_ops() if opts.opaque_kernels else contextlib.nullcontext():
+        with opaque_ops() if opts.opaque_kernels else contextlib.nullcontext(), lazy_operator_text():
             compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if opts.on_passes is not None:
         # the passes run inside compile_fx (on the forward graph); a manager that never ran: see on_passes
@@ -103,6 +103,36 @@ def opaque_ops():
 
     wanted = {"decompose_custom_triton_ops": False, "custom_op_default_layout_constraint": "flexible_layout"}
     return config.patch({k: v for k, v in wanted.items() if hasattr(config, k)})
+
+
+@contextlib.contextmanager
+def lazy_operator_text():
+    """Inductor's text of an op's arguments built only when read.
+
+    Why: torch before 2.13 formats the arguments of each op it first lowers as an implicit fallback (every op kept
+    whole, as opaque_kernels and AOTInductor keep ours), for a log line that is off. A node's text nests the text
+    of the nodes it reads, so an op first met after a forward's layers (a fused head's greedy choice) is formatted
+    in time exponential in the layers: the compile never ends.
+    How: the formatting (OperatorIssue.operator_str) returns an object whose str() formats, as torch 2.13 defers it
+    (LazyString); every caller formats it into a string or a log record.
+    When it can go: once torch 2.13 is the oldest supported."""
+    from torch._inductor import exc
+
+    original = exc.OperatorIssue.__dict__["operator_str"]
+    text = original.__func__
+
+    class _Deferred:
+        def __init__(self, *args):
+            self.args = args
+
+        def __str__(self):
+            return text(*self.args)
+
+    exc.OperatorIssue.operator_str = staticmethod(lambda target, args, kwargs: _Deferred(target, args, kwargs))
+    try:
+        yield
+    finally:
+        exc.OperatorIssue.operator_str = original
 
 
 def known_inductor_configs(wanted: dict) -> dict:

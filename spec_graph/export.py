@@ -68,7 +68,7 @@ from typing import Sequence
 import torch
 
 from . import __version__, platform
-from .backend import known_inductor_configs
+from .backend import known_inductor_configs, lazy_operator_text
 from .config import SpecGraphConfig
 from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
 from .export_progress import _Progress
@@ -319,7 +319,7 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
                             if n.op == "call_function" and str(n.target).startswith("spec_graph.")})
             path = Path(tmp) / f"{name}.pt2"
             t0 = time.perf_counter()
-            with b.stage(f"compile {kind}"):
+            with b.stage(f"compile {kind}"), lazy_operator_text():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(configs))
                 _check_cxx_runtime(path)
                 _strip_sources(path)

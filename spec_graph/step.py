@@ -58,15 +58,21 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     # ordinary token id that the target accepts only where it equals its own argmax. Sampling: such a draft
     # is proposed with q = one-hot(d) (d ~ q holds trivially), so the rejection rule accepts it with
     # probability p(d) and otherwise resamples from p without d: still exactly the target's distribution.
+    # Greedy forwards return (argmax, finite) alone (choose=True): the fused head folds them into its kernel.
     span = {} if kv_len is None else {"kv_len": kv_len}
-    logits = draft(tail, pos, *draft_kv, **span)[:, -1]
+    head = {"choose": True} if greedy else {}
+
+    def draft_last(tokens, positions):
+        out = draft(tokens, positions, *draft_kv, **span, **head)
+        return out[0][:, -1] if greedy else out[:, -1]  # greedy: the argmax; else the logits
+
+    logits = draft_last(tail, pos)
     drafts, draft_probs = [], []
     for j in range(K):
         if j > 0:
-            pos_j = (c - 1 + j).clamp(0, last_pos)[:, None]
-            logits = draft(drafts[-1][:, None], pos_j, *draft_kv, **span)[:, 0]
+            logits = draft_last(drafts[-1][:, None], (c - 1 + j).clamp(0, last_pos)[:, None])
         if greedy:
-            d = logits.argmax(-1)
+            d = logits
         else:
             q = sample(logits)
             d = race_sample(q, seeds, steps, REQUEST_ROW, DRAFT_POS_BASE + j)
@@ -78,15 +84,16 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     # 2. target verify over K+1 positions
     vtok = torch.cat((tail[:, 1:], draft_ids), dim=1)
     vpos = (c[:, None] - 1 + torch.arange(K + 1, device=dev)[None]).clamp(0, last_pos)
-    tlogits = target(vtok, vpos, *target_kv, **span)  # [B, K+1, V]
-    finite = torch.isfinite(tlogits).all(-1).all(-1)  # the target's logits decide; a failed row commits nothing
+    tlogits = target(vtok, vpos, *target_kv, **span, **head)  # [B, K+1, V]; greedy: (argmax, finite) [B, K+1]
+    # the target's logits decide; a failed row commits nothing
+    finite = (tlogits[1] if greedy else torch.isfinite(tlogits).all(-1)).all(-1)
     ok = active & finite
 
     # 3 + 4. rejection, counting, next inputs, output append
     args = (ok, tail, c, state["n_out"], state["max_new"], stop_ids, out_buf)
     if greedy:
         accept = greedy_accept_prepare if fused else greedy_accept_prepare_ref
-        _, num_acc, _, new_tail, new_c, new_n, done = accept(draft_ids, tlogits.argmax(-1), *args)
+        _, num_acc, _, new_tail, new_c, new_n, done = accept(draft_ids, tlogits[0], *args)
     else:
         verify = block_verify if verification == "block" else rejection_sample
         sampled, _ = verify(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)

@@ -41,7 +41,7 @@ def test_bench_step_settings_left_alone_without_set():
 
 
 @pytest.mark.parametrize("pair,message", [("ONE_STEP_ROWS", "MODULE.NAME=VALUE"),
-                                          ("nomodule.X=1", "no module"),
+                                          ("nomodule.X=1", "has a module"),
                                           ("linear_launch.NOPE=1", "no setting"),
                                           ("linear_launch.ONE_STEP_ROWS=abc", "not a Python literal")])
 def test_bench_step_settings_reject_bad_input(pair, message):
@@ -51,6 +51,14 @@ def test_bench_step_settings_reject_bad_input(pair, message):
         with pytest.raises(SystemExit, match=message):
             bench_util.apply_settings([f"linear_launch.ONE_STEP_ROWS={ROWS + 3}", pair])
         assert linear_launch.ONE_STEP_ROWS == ROWS and inductor_config.fx_graph_cache is True
+
+
+def test_bench_step_settings_of_the_models_too():
+    """--set reaches the models' switches (read when the step is traced) as well as the kernels' settings."""
+    mod, name, value = bench_util.parse_setting("llama.FUSED_CHOICE=False")
+    assert (mod.__name__, name, value) == ("spec_graph.models.llama", "FUSED_CHOICE", False)
+    with pytest.raises(SystemExit, match="spec_graph.models.llama has no setting 'NOPE'"):
+        bench_util.parse_setting("llama.NOPE=1")
 
 
 def test_bench_step_reports_both_compiles_of_the_target_decode():
@@ -91,7 +99,7 @@ def test_ab_step_table_of_dict_values():
 
 @pytest.mark.parametrize("text,message", [("attention.MIN_SPLIT_KEYS", "MODULE.NAME=V1,V2"),
                                           ("attention.MIN_SPLIT_KEYS=", "MODULE.NAME=V1,V2"),
-                                          ("nomodule.X=1,2", "no module"),
+                                          ("nomodule.X=1,2", "has a module"),
                                           ("attention.NOPE=1,2", "no setting"),
                                           ("attention.MIN_SPLIT_KEYS=64,abc", "not a comma-separated list"),
                                           ("attention.MIN_SPLIT_KEYS=64,,", "not a comma-separated list")])

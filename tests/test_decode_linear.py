@@ -642,7 +642,7 @@ for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
                  BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk,
-                 ONE_STEP=ll.one_step(dot, split, K, bk))
+                 ONE_STEP=ll.one_step(dot, split, K, bk), CHOOSE=False, MERGE=256)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     # tensors fp32 but for the 2-byte one-row launches (the 4-row control: the 2-byte tiles on fp32 data)
     ptr = "*bf16" if rows == 1 and itemsize == 2 else "*fp32"

@@ -48,8 +48,13 @@ def test_eager_fp32_on_device_equals_hf(llama_pair):
     assert_every_count(out, 3)
 
 
-def test_captured_near_draft_fp32_equals_hf(llama_pair):
-    """The compiled, captured step in fp32 with the near draft: HF's greedy tokens, every accepted count 0..K."""
+@pytest.mark.parametrize("fused_choice", [False, True])
+def test_captured_near_draft_fp32_equals_hf(llama_pair, fused_choice, monkeypatch):
+    """The compiled, captured step in fp32 with the near draft: HF's greedy tokens, every accepted count 0..K; with
+    the heads' argmax folded into their kernel (FUSED_CHOICE) too."""
+    from spec_graph.models import llama
+
+    monkeypatch.setattr(llama, "FUSED_CHOICE", fused_choice)
     target, draft = llama_pair
     dec = SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=3, max_len=64,
                                                                      dtype="float32", max_batch_size=4,

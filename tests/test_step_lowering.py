@@ -57,6 +57,9 @@ if variant == "split, computed counters":  # the control of the counters check: 
     from spec_graph.models import llama
     fused = llama.DecoderLayer.forward_fused
     llama.DecoderLayer.forward_fused = lambda self, *a: fused(self, *a[:-1], a[-1] * 1)
+if variant.endswith("fused choice"):  # the greedy heads' argmax folded into their kernel
+    from spec_graph.models import llama
+    llama.FUSED_CHOICE = True
 if variant.startswith("opaque"):  # as the engine compiles its step on a graph platform: the ops kept whole
     import spec_graph.backend as backend_mod
     import spec_graph.engine as engine_mod
@@ -88,6 +91,8 @@ def read(scheduler, operations):
             mismatches.extend(f"{name}.{arg}" for arg in strides_unlike_traced(op))
         elif type(op).__name__ == "FallbackKernel" and str(getattr(op, "op_overload", "")).startswith("spec_graph."):
             out["op " + str(op.op_overload).split(".")[1]] += 1
+        elif any("aten.argmax" in o for o in origins):
+            out["argmax buffers"] += 1
         elif any("aten.cos" in o for o in origins):
             out["cos buffers"] += 1
         elif any("index_put" in o for o in origins) and len(op.get_size()) == 5:  # [layers, slots, Hkv, L, D]
@@ -169,6 +174,20 @@ def test_opaque_step_computes_rope_once_per_forward():
     assert control["cos buffers"] >= forwards * layers, control
 
 
+@pytest.mark.parametrize("variant", ["as is, fused choice", "opaque, fused choice"])
+def test_fused_choice_takes_the_heads_argmax_into_their_kernel(variant):
+    """With FUSED_CHOICE each greedy forward's head is one decode_head_argmax (decomposed: the same linear kernel)
+    and the step has no argmax of its own; the control (the default) takes torch's argmax after each head."""
+    forwards, layers = 5, 3
+    got = _lowered(variant)
+    if variant.startswith("opaque"):
+        assert got["op decode_head_argmax"] == forwards and got["op decode_linear"] == forwards * 2 * layers, got
+    else:
+        assert got["kernel _decode_linear_kernel"] == forwards * (4 * layers + 1), got
+    assert got.get("argmax buffers", 0) == 0, got
+    assert _lowered("as is").get("argmax buffers", 0) >= forwards
+
+
 def test_split_k_kernels_count_in_the_models_own_counters():
     """Split-K launches mutate the model's counter buffer in place: the same kernels, and no buffer of counters
     (a copy or a functional update of them) in the step, with attention split over key ranges beside them (its
@@ -247,3 +266,27 @@ def _one_layer_decoder(root: Path):
     target = make_checkpoint(root / "t", vocab_size=96, tokenizer=build_tokenizer(96), layers=1)
     return SpecDecoder.from_pretrained(target, perturbed_copy(target, root / "d", noise=0.03),
                                        SpecGraphConfig(num_speculative_tokens=2, max_len=32, enable_graph=True))
+
+
+def test_op_text_is_formatted_only_when_read():
+    """Inside the backend's compile the text of an op's arguments (which inductor before torch 2.13 formats for every
+    op it first falls back to, into a log line that is off) is built only when read: a node's text nests the
+    nodes before it, and the fused head's first call comes after a forward's layers (the compile of a K=4 step on
+    torch 2.11 never ended). Without the deferral, formatting reads the argument at once."""
+    from torch._inductor import exc
+
+    from spec_graph.backend import lazy_operator_text
+
+    class Costly:
+        reads = 0
+
+        def __str__(self):
+            Costly.reads += 1
+            return "costly"
+
+    with lazy_operator_text():
+        text = exc.OperatorIssue.operator_str("spec_graph.op", [Costly()], {})
+        assert Costly.reads == 0
+        assert "args[0]: costly" in str(text) and Costly.reads == 1
+    exc.OperatorIssue.operator_str("spec_graph.op", [Costly()], {})  # outside: torch's own, which formats at once
+    assert Costly.reads == 2

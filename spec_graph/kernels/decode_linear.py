@@ -32,6 +32,7 @@ from ._triton import tl, triton
 
 from .. import platform
 from .counters import arrive_last, rearm
+from .greedy_head import MERGE_BLOCK, _argmax_merge, _argmax_part, head_argmax_ref
 from . import linear_launch as launch
 from .rng import block_for, use_kernel, wrap_triton
 
@@ -251,11 +252,12 @@ def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
         M, N, K, eps, ROPE_COLS, sxm, swn, srm, scm, som,
         kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl, svs, svh, svl, spb, spt, LC,
-        ws_ptr, sync_ptr, K_SPLIT,
+        ws_ptr, sync_ptr, K_SPLIT, ids_ptr, ai_ptr,
         MODE: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RES: tl.constexpr, WRITE_KV: tl.constexpr, HAS_SLOTS: tl.constexpr, DOT: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ONE_STEP: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
+        CHOOSE: tl.constexpr, MERGE: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -279,6 +281,8 @@ def _decode_linear_kernel(
     partial products over K until one reduction at the end (few rows: the weight tile is read once and
     multiplied by every row, and small BLOCK_N gives enough programs to keep every SM reading). ONE_STEP (CUDA
     cores, K <= BLOCK_K, no split): no loop; every load of the program goes out at once (see _one_step_sums).
+    CHOOSE (PLAIN, unsplit, no bias or residual): no out; ids[m] = (argmax_n rnd(a[m, n]), all finite) [M, 2],
+    by greedy_head.py's parts (ws [M, NB] fp32, ai [2, M, NB] int32) and their merge in sync[0]'s last program.
     """
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
@@ -337,14 +341,23 @@ def _decode_linear_kernel(
             else:
                 acc_a = tl.sum(acc3_a, axis=2)
                 acc_b = tl.sum(acc3_b, axis=2)
-    last = True
-    if SPLIT_K > 1:
-        acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
-                                        m_ok[:, None] & n_ok[None, :], M, N, MODE, SPLIT_K)
-    if last:
-        _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
-                ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
-                svs, svh, svl, spb, spt, LC, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
+    if CHOOSE:
+        nb = tl.cdiv(N, BLOCK_N)
+        v = _rnd(acc_a, x_ptr.dtype.element_ty, UPCAST)  # the logits as the head would store them
+        _argmax_part(v, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], m_ok, ws_ptr, ai_ptr, ai_ptr + M * nb,
+                     pid_n, nb)
+        if arrive_last(sync_ptr, 0, nb):
+            _argmax_merge(offs_m, m_ok, ws_ptr, ai_ptr, ai_ptr + M * nb, ids_ptr, nb, MERGE)
+            rearm(sync_ptr, 0)
+    else:
+        last = True
+        if SPLIT_K > 1:
+            acc_a, acc_b, last = _split_sum(acc_a, acc_b, ws_ptr, sync_ptr, pid_n, pid % SPLIT_K, offs_m, offs_n,
+                                            m_ok[:, None] & n_ok[None, :], M, N, MODE, SPLIT_K)
+        if last:
+            _finish(acc_a, acc_b, offs_m, offs_n, ra, rb, d, m_ok, n_ok, b_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr,
+                    ROPE_COLS, srm, scm, som, kc_ptr, vc_ptr, pos_ptr, slots_ptr, T, QC, k_off, v_off, sks, skh, skl,
+                    svs, svh, svl, spb, spt, LC, MODE, HALF, HAS_BIAS, HAS_RES, WRITE_KV, HAS_SLOTS, UPCAST, BLOCK_M)
 
 
 @triton.jit
@@ -403,10 +416,12 @@ def fused_rows_ok(x: torch.Tensor) -> bool:
     return bool(statically_known_true(x.numel() // max(x.shape[-1], 1) <= MAX_ROWS))
 
 
-def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None, sync=None):
+def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_out, n_prog, kv=None, sync=None,
+            choose=False):
     """kv: (k_cache, v_cache, layer, slots, positions, q_cols) to write k and v into the caches (ROPE only);
     out then holds the q columns alone. sync: split-K's counters (counters.new_sync), or None (or an empty buffer,
-    as the wrappers pass None) for no split."""
+    as the wrappers pass None) for no split. choose (PLAIN; sync required): (ids, finite) of each row's logits
+    in place of them (the kernel's CHOOSE)."""
     if sync is not None and sync.numel() == 0:
         sync = None
     K = x.shape[-1]
@@ -419,7 +434,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     w = w if w.stride(-1) == 1 else w.contiguous()
     b = b.contiguous() if b is not None else None  # the kernel reads them with unit stride
     norm_w = norm_w.contiguous() if norm_w is not None else None
-    out = torch.empty((M, n_out if kv is None else kv[5]), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, 1 if choose else n_out if kv is None else kv[5]), dtype=x.dtype, device=x.device)
     r2 = residual.reshape(M, -1) if residual is not None else out
     if residual is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
@@ -430,12 +445,18 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     dot, block_n, block_k, warps, stages, split = launch.launch_config(rows, n_prog, K, mode != PLAIN,
                                                                        x.element_size(), sms, rope=mode == ROPE)
     blocks = triton.cdiv(n_prog, block_n)
-    if sync is None or blocks > sync.numel():
+    if sync is None or blocks > sync.numel() or choose:
         split = 1
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)  # no program without K tiles
     ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
+    if choose:  # each column block's part of the choice (greedy_head.py), then the ids and finite flags
+        ws = torch.empty((M, blocks), dtype=torch.float32, device=x.device)
+        ai = torch.empty((2, M, blocks), dtype=torch.int32, device=x.device)
+        ids = torch.empty((M, 2), dtype=torch.int64, device=x.device)
+    else:
+        ai, ids = ws, ws
     if kv is None:
         kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         slots = None
@@ -448,14 +469,16 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
     wrap_triton(_decode_linear_kernel)[grid](
         x2, w, b if b is not None else w, norm_w if norm_w is not None else w, r2, c2, s2, out,
         M, n_prog, K, float(eps), rope_cols, x2.stride(0), w.stride(0), r2.stride(0), c2.stride(0), out.stride(0),
-        *kv_args, ws, sync if split > 1 else ws, k_split,
+        *kv_args, ws, sync if split > 1 or choose else ws, k_split, ids, ai,
         MODE=mode, HALF=half, HAS_BIAS=b is not None, HAS_NORM=norm_w is not None, HAS_RES=residual is not None,
         WRITE_KV=kv is not None, HAS_SLOTS=slots is not None, DOT=dot, IEEE=x.dtype == torch.float32,
         UPCAST=x.device.type == "cpu",
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, SPLIT_K=split,
         NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
-        ONE_STEP=launch.one_step(dot, split, K, block_k))
+        ONE_STEP=launch.one_step(dot, split, K, block_k), CHOOSE=choose, MERGE=MERGE_BLOCK)
+    if choose:
+        return ids.view(*x.shape[:-1], 2)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -488,6 +511,15 @@ def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tens
         raise ValueError(f"decode_qkv_rope needs an even head_dim dividing the output width (N={N}, D={head_dim})")
     return _launch(ROPE, x, w, b, norm_w, eps, None, cos, sin, rope_heads * head_dim, head_dim // 2, N, N // 2,
                    sync=sync)
+
+
+@torch.library.triton_op("spec_graph::decode_head_argmax", mutates_args=("sync",))
+def _decode_head_argmax_op(x: torch.Tensor, w: torch.Tensor, norm_w: Optional[torch.Tensor], eps: float,
+                           sync: torch.Tensor) -> torch.Tensor:
+    if not use_kernel(_decode_linear_kernel, x) or sync.numel() == 0:
+        return head_argmax_ref(x, w, norm_w, eps)
+    return _launch(PLAIN, x, w, None, norm_w, eps, None, None, None, 0, 1, w.shape[0], w.shape[0], sync=sync,
+                   choose=True)
 
 
 def write_kv_ref(k_cache, v_cache, layer: int, slots, positions, k, v) -> None:
@@ -555,3 +587,11 @@ def decode_qkv_rope(x, w, b, norm_w, eps: float, cos, sin, rope_heads: int, head
     """rmsnorm(x) @ w.T + b with RoPE on the first `rope_heads` heads (op `spec_graph::decode_qkv_rope`)."""
     return torch.ops.spec_graph.decode_qkv_rope(x, w, b, norm_w, float(eps), cos, sin, int(rope_heads),
                                                 int(head_dim), _counters(sync, x))
+
+
+def decode_head_argmax(x, w, norm_w=None, eps: float = 0.0, sync=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax int64, all finite bool) of each row of rmsnorm(x) @ w.T as decode_linear rounds it, without the
+    logits (op `spec_graph::decode_head_argmax`, which returns them as one [..., 2] tensor; greedy_head.py).
+    Without split-K counters (sync) it runs the reference."""
+    both = torch.ops.spec_graph.decode_head_argmax(x, w, norm_w, float(eps), _counters(sync, x))
+    return both[..., 0], both[..., 1].bool()

@@ -24,8 +24,8 @@ from torch import nn
 from .. import platform
 from ..kernels import decode_attention, prefill_attention
 from ..kernels.counters import new_sync
-from ..kernels.decode_linear import (decode_gate_up, decode_linear, decode_qkv_rope_cache, fused_rows_ok,
-                                     rms_norm_ref, rope_ref)
+from ..kernels.decode_linear import (decode_gate_up, decode_head_argmax, decode_linear, decode_qkv_rope_cache,
+                                     fused_rows_ok, rms_norm_ref, rope_ref)
 from .config import ModelArgs
 
 # Query rows (query heads per KV head x positions) up to which a forward uses the fused decode attention:
@@ -37,6 +37,10 @@ PREFILL_SDPA_POSITIONS = 128
 # Decode and verify forwards run each layer as four fused linear kernels (kernels/decode_linear.py) beside the
 # attention op, where that op runs and the rows fit; False keeps nn.Linear (benchmarks compare the two).
 FUSED_LAYERS = True
+# A forward asked only for its greedy choice (choose=True) folds the argmax into the fused head's kernel
+# (kernels/greedy_head.py) when True; False: the head's logits, then torch's argmax and isfinite. Off until the
+# fold's step is timed on a GPU (benchmarks set it with --set llama.FUSED_CHOICE=True).
+FUSED_CHOICE = False
 
 
 class RMSNorm(nn.Module):
@@ -256,7 +260,9 @@ class Transformer(nn.Module):
         make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device)  # noqa: E731
         return make(), make()
 
-    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None, any_len=False):
+    def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None, any_len=False,
+                choose=False):
+        """fp32 logits [B, T, V]; with choose, (argmax ids [B, T], all-finite flags [B, T]) of those logits."""
         x = self.model.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
@@ -268,11 +274,18 @@ class Transformer(nn.Module):
             # the norm and head at one position per row: a long prompt's [B, T, V] fp32 logits would not fit
             # (a 128k vocabulary at 32k positions is 16 GiB)
             x = x[torch.arange(x.shape[0], device=x.device), logits_at]
-            return F.linear(self.model.norm(x), w).float()
+            return _chosen(F.linear(self.model.norm(x), w).float(), choose)
         fused = FUSED_LAYERS if self.fused_layers is None else self.fused_layers
         if (fused and self.model.layers[0].self_attn.uses_decode_attention(x, any_len)
                 and platform.use_fused_linear(x.device)
                 and fused_rows_ok(x)):
             norm = self.model.norm
-            return decode_linear(x, w, None, norm.weight, norm.eps, sync=self.linear_sync).float()
-        return F.linear(self.model.norm(x), w).float()
+            if choose and FUSED_CHOICE:
+                return decode_head_argmax(x, w, norm.weight, norm.eps, sync=self.linear_sync)
+            return _chosen(decode_linear(x, w, None, norm.weight, norm.eps, sync=self.linear_sync).float(), choose)
+        return _chosen(F.linear(self.model.norm(x), w).float(), choose)
+
+
+def _chosen(logits, choose: bool):
+    """logits, or with choose their (argmax, all finite) over the vocabulary."""
+    return (logits.argmax(-1), torch.isfinite(logits).all(-1)) if choose else logits
