@@ -39,7 +39,8 @@ def test_greedy_head_suite_in_a_fresh_process():
 
 
 def _require_kernel():
-    require_kernel(_dl, _dl._decode_linear_kernel, DEV, NEEDS_FRESH_PROCESS, "test_greedy_head_suite_in_a_fresh_process")
+    require_kernel(_dl, _dl._decode_linear_kernel, DEV, NEEDS_FRESH_PROCESS,
+                   "test_greedy_head_suite_in_a_fresh_process")
 
 
 @contextlib.contextmanager
