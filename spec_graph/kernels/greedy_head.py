@@ -7,18 +7,20 @@ all finite, without writing the logits or running a reduction kernel after the h
 
 torch.argmax's rules hold: the first index of the maximum, and where a row holds a NaN, its first NaN.
 
-decode_linear.py's kernel runs the head's sums as for any product; with the ARGMAX epilogue each column block
+decode_linear.py's kernel runs the head's sums as for any product; with its CHOOSE epilogue each column block
 stores its part of each row's choice (_argmax_part), and the last block to arrive (counters.py) merges the parts
-in block order (_argmax_merge). The op is decode_linear.decode_head_argmax. It returns one tensor: an op of
-two outputs leaves inductor chains of nodes (one per output) whose printing grows with each forward of the step.
+in block order (_argmax_merge). The op is decode_linear.decode_head_argmax: one int64 [..., 2] output, which
+its wrapper splits into the ids and the finite flags.
 """
 from __future__ import annotations
 
 import torch
 from ._triton import tl, triton
 
-NAN_SEEN, NONFINITE_SEEN = 1, 2  # a part's flags (the kernel spells them as literals)
-NO_INDEX = 2**31 - 1  # "no column yet": above every column index
+# a part's flags, and "no column yet" (above every column index); the kernels spell them as literals, as Triton
+# reads module globals only as constexprs
+NAN_SEEN, NONFINITE_SEEN = 1, 2
+NO_INDEX = 2**31 - 1
 MERGE_BLOCK = 256  # parts per step of the merge
 
 
