@@ -75,7 +75,7 @@ def _want(x, w, nw, eps):
     return logits.argmax(-1), torch.isfinite(logits).all(-1)
 
 
-@settings(max_examples=15, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(st.integers(1, 6), st.sampled_from([16, 48, 64]), st.integers(1, 300), st.sampled_from([1, 2, 3, 50]),
        st.integers(0, 2), st.integers(0, 2), st.booleans(), st.sampled_from([torch.float32, torch.bfloat16]),
        st.sampled_from([(True, 16, 16), (True, 32, 64), (False, 1, 64), (False, 2, 16), (False, 4, 64)]),
