@@ -289,3 +289,27 @@ def test_op_text_is_formatted_only_when_read():
         assert "args[0]: costly" in str(text) and Costly.reads == 1
     exc.OperatorIssue.operator_str("spec_graph.op", [Costly()], {})  # outside: torch's own, which formats at once
     assert Costly.reads == 2
+
+
+def test_backend_compiles_with_the_op_text_deferred(monkeypatch):
+    """The backend's inductor compile, with its ops kept whole or not, runs inside lazy_operator_text: inductor's
+    formatting of an op's arguments gives back an object that is not yet text. Dropping the context from the
+    backend leaves it a str."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+    from torch._inductor import exc
+
+    from spec_graph.backend import spec_graph_backend
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen.append(type(exc.OperatorIssue.operator_str("spec_graph.op", [], {})))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    for opaque in (False, True):
+        spec_graph_backend(gm, [torch.ones(3)], options={"capture": False, "opaque_kernels": opaque})
+    assert len(seen) == 2 and str not in seen, seen
+    assert type(exc.OperatorIssue.operator_str("spec_graph.op", [], {})) is str  # restored after each compile

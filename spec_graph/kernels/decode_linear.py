@@ -449,13 +449,13 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         split = 1
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)  # no program without K tiles
-    ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     grid = (blocks * split,)
     if choose:  # each column block's part of the choice (greedy_head.py), then the ids and finite flags
         ws = torch.empty((M, blocks), dtype=torch.float32, device=x.device)
         ai = torch.empty((2, M, blocks), dtype=torch.int32, device=x.device)
         ids = torch.empty((M, 2), dtype=torch.int64, device=x.device)
     else:
+        ws = torch.empty((split, M, 2 * n_prog) if split > 1 else (1,), dtype=torch.float32, device=x.device)
         ai, ids = ws, ws
     if kv is None:
         kv_args = (out, out, out, out, 1, n_out, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
