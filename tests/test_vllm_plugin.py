@@ -285,7 +285,8 @@ def _engine_config(target, draft, flag, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
     register()
-    return EngineArgs(model=str(target), dtype="float32", max_model_len=256,
+    kw.setdefault("max_model_len", 256)
+    return EngineArgs(model=str(target), dtype="float32",
                       speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": K},
                       additional_config={"enable_spec_graph": True} if flag else {}, **kw).create_engine_config()
 
@@ -543,17 +544,59 @@ def test_unknown_setting_is_refused_at_config_time(models):
         _llm(target, draft, flag=True, additional={"spec_graph": {"steps_per_graph": 2}})
 
 
-def test_max_model_len_past_the_drafts_window_is_refused(models, tmp_path, tokenizer):
-    """The draft was trained on 128 positions and the engine serves 256: refused, naming both numbers."""
+def _with_config(ckpt, **fields):
     import json
 
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return ckpt
+
+
+def test_max_model_len_past_the_drafts_window_is_refused(models, tmp_path, tokenizer):
+    """The draft was trained on 128 positions and the engine serves 256: refused when the config is built (a
+    ValueError of its own, not an engine that fails in its worker), naming both numbers. Without the flag
+    vLLM's drafter serves it; at max_model_len 128 the flag does too."""
     target, _ = models
-    short = _ckpt(tmp_path / "short", tokenizer)
-    cfg = json.loads((short / "config.json").read_text())
-    cfg["max_position_embeddings"] = 128
-    (short / "config.json").write_text(json.dumps(cfg))
+    short = _with_config(_ckpt(tmp_path / "short", tokenizer), max_position_embeddings=128)
+    with pytest.raises(ValueError, match=r"max_model_len=256 is past the draft's window of 128 positions"):
+        _engine_config(target, short, flag=True)
+    assert _engine_config(target, short, flag=False).model_config.max_model_len == 256
+    assert _engine_config(target, short, flag=True, max_model_len=128).model_config.max_model_len == 128
     with pytest.raises(Exception, match=r"max_model_len=256 is past the draft's window of 128 positions"):
         _llm(target, short, flag=True)
+
+
+def test_draft_sample_method_probabilistic_is_refused_where_spec_graph_drafts(tmp_path, tokenizer):
+    """spec-graph drafts greedily: a probabilistic draft_sample_method could not take effect, so it is refused
+    (greedy passes). A draft spec-graph does not cover (yarn rope) falls back to vLLM's drafter, which samples
+    as asked; there vLLM's own draft-TP check holds at config time."""
+    cfg = _stand_in_config(tp=1)
+    cfg.speculative_config.draft_sample_method = "greedy"
+    assert check_config(cfg).enabled
+    cfg.speculative_config.draft_sample_method = "probabilistic"
+    with pytest.raises(ValueError, match=r"drafts greedily .* set draft_sample_method='greedy'"):
+        check_config(cfg)
+    yarn = _with_config(_ckpt(tmp_path / "yarn", tokenizer),
+                        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256})
+    cfg.speculative_config.draft_model_config.model = str(yarn)
+    assert check_config(cfg).enabled
+    cfg.speculative_config.draft_parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the same"):
+        check_config(cfg)
+
+
+def test_a_near_miss_of_the_flag_is_named_once(caplog):
+    from spec_graph.vllm_plugin import config
+
+    config._warned_keys.clear()
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        for _ in range(2):
+            assert not parse({"enable_spec_graf": True, "Spec_Graph": {}, "enable_prefetch": True}).enabled
+    msgs = [r.getMessage() for r in caplog.records if r.name == "spec_graph"]
+    assert msgs == ["spec-graph: additional_config key 'enable_spec_graf' is not one of spec-graph's and is ignored; "
+                    "did you mean 'enable_spec_graph'?",
+                    "spec-graph: additional_config key 'Spec_Graph' is not one of spec-graph's and is ignored; "
+                    "did you mean 'spec_graph'?"], msgs
 
 
 def test_cache_that_does_not_fit_is_refused(models, monkeypatch, spec_graph_drafts_only):

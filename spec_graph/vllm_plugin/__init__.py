@@ -248,12 +248,36 @@ def _patch_runner_choice(config_cls) -> None:
 
 
 def draft_is_covered(spec) -> bool:
-    """Whether spec-graph's own models cover the draft's architecture (else: vLLM's drafter serves it)."""
-    from ..models import SUPPORTED_ARCHITECTURES
+    """Whether spec-graph's own models cover the draft (else: vLLM's drafter serves it): its architecture, and
+    where its config.json is at hand, all of it (a rope type or activation spec-graph lacks falls back too)."""
+    from ..models import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 
     cfg = getattr(spec, "draft_model_config", None)
     archs = getattr(cfg, "architectures", None) or getattr(getattr(cfg, "hf_config", None), "architectures", None)
-    return bool(archs) and archs[0] in SUPPORTED_ARCHITECTURES
+    if not (archs and archs[0] in SUPPORTED_ARCHITECTURES):
+        return False
+    try:
+        draft_args(spec)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+def draft_args(spec):
+    """The draft's ModelArgs, read from its config.json as the drafter reads them; None where there is no local
+    checkpoint directory to read (the drafter's load reports that). Raises UnsupportedModelError for a draft
+    spec-graph does not implement."""
+    from ..models import CheckpointError, UnsupportedModelError, read_config
+
+    path = getattr(getattr(spec, "draft_model_config", None), "model", None)
+    if not path:
+        return None
+    try:
+        return read_config(path)[1]
+    except UnsupportedModelError:
+        raise
+    except (CheckpointError, ValueError):  # a malformed config.json: the drafter's load names it
+        return None
 
 
 def _flag_on(vllm_config) -> bool:
@@ -278,7 +302,7 @@ def check_config(vllm_config):
     """The config-time checks; returns the parsed settings (flag off: only the flag's type is checked)."""
     from types import SimpleNamespace
 
-    from .config import check_vllm_config
+    from .config import check_covered_draft, check_vllm_config
 
     settings = check_vllm_config(vllm_config)
     if settings.enabled:
@@ -287,9 +311,11 @@ def check_config(vllm_config):
         # spec-graph's draft is replicated whole on every rank (its own model, no collective in the chain), so a
         # draft TP unlike the target's is fine for it; a draft it does not cover falls back to vLLM's own
         # drafter, which needs equal TP: vLLM's own check and message then (it would only fire in the worker).
-        if not draft_is_covered(vllm_config.speculative_config):
-            DraftModelProposer._raise_if_draft_tp_mismatch(
-                SimpleNamespace(speculative_config=vllm_config.speculative_config))
+        spec = vllm_config.speculative_config
+        if not draft_is_covered(spec):
+            DraftModelProposer._raise_if_draft_tp_mismatch(SimpleNamespace(speculative_config=spec))
+        else:  # refused here, not in a worker at load time
+            check_covered_draft(vllm_config, draft_args(spec))
         if hasattr(type(vllm_config), "use_v2_model_runner"):
             vllm_config.use_v2_model_runner  # noqa: B018 - refuses a config that forces the V2 runner, now
     return settings

@@ -17,6 +17,7 @@ behaves exactly as without spec-graph. A flag that is not a bool is always refus
 """
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ def parse(additional_config) -> PluginSettings:
     section and process), so it cannot change what vLLM does.
     """
     extra = dict(additional_config or {})
+    _warn_near_misses(extra)
     flag = extra.get(FLAG, False)
     if not isinstance(flag, bool):
         raise ValueError(f"additional_config[{FLAG!r}] must be true or false, got {flag!r}")
@@ -81,6 +83,20 @@ def parse(additional_config) -> PluginSettings:
 
 
 _warned_ignored: set[str] = set()  # sections already warned about (parse runs several times per engine)
+_warned_keys: set[str] = set()
+
+
+def _warn_near_misses(extra: dict) -> None:
+    """One warning per key of ``additional_config`` that looks like a misspelling of spec-graph's two keys (the
+    dict is free-form and shared with other plugins, so nothing else about unknown keys can be said)."""
+    for key in extra:
+        if not isinstance(key, str) or key in (FLAG, SECTION) or key in _warned_keys:
+            continue
+        near = difflib.get_close_matches(key.lower(), (FLAG, SECTION), n=1, cutoff=0.85)
+        if near:
+            _warned_keys.add(key)
+            log.warning("spec-graph: additional_config key %r is not one of spec-graph's and is ignored; did you "
+                        "mean %r?", key, near[0])
 
 
 def _warn_ignored(section) -> None:
@@ -114,3 +130,24 @@ def check_vllm_config(vllm_config) -> PluginSettings:
         raise ValueError(f"additional_config[{FLAG!r}]: the draft's vocab size ({draft_vocab}) differs from the "
                          f"target's ({target_vocab}); spec-graph needs one shared vocabulary")
     return settings
+
+
+def window_refusal(max_model_len: int, window: int, path) -> str:
+    return (f"spec-graph: max_model_len={max_model_len} is past the draft's window of {window} positions "
+            f"(max_position_embeddings in {path}/config.json): lower --max-model-len to {window} or use a draft "
+            f"with a longer window")
+
+
+def check_covered_draft(vllm_config, args) -> None:
+    """Config-time checks of a draft spec-graph drafts with (``args``: its ModelArgs, None where unread): its
+    window covers max_model_len, and the drafts are greedy, as spec-graph's are."""
+    spec = vllm_config.speculative_config
+    method = getattr(spec, "draft_sample_method", "greedy")
+    if method != "greedy":
+        raise ValueError(f"additional_config[{FLAG!r}]: spec-graph drafts greedily (the draft's argmax, which vLLM's "
+                         f"rejection sampler takes as one-hot: sampling stays lossless), so draft_sample_method="
+                         f"{method!r} cannot take effect; set draft_sample_method='greedy' (the default) or omit "
+                         f"it, or turn the flag off for vLLM's own drafter")
+    max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    if args is not None and max_len is not None and max_len > args.window:
+        raise ValueError(window_refusal(max_len, args.window, spec.draft_model_config.model))

@@ -44,7 +44,7 @@ from ..config import cache_length, kv_fit
 from ..models import UnsupportedModelError, load_model, read_config
 from ..models.llama import kv_cache_bytes
 from . import use_vllm_log_handlers
-from .config import parse
+from .config import parse, window_refusal
 from .kernels import count_valid
 
 log = logging.getLogger("spec_graph")
@@ -399,10 +399,7 @@ class VllmAdapter:
             return super().load_model(target_model)
         K = self.num_speculative_tokens
         if self.max_model_len > args.window:
-            raise ValueError(
-                f"spec-graph: max_model_len={self.max_model_len} is past the draft's window of {args.window} "
-                f"positions (max_position_embeddings in {path}/config.json): lower --max-model-len to "
-                f"{args.window} or use a draft with a longer window")
+            raise ValueError(window_refusal(self.max_model_len, args.window, path))  # (a config check's too)
         slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = kv_cache_bytes(args, slots, cache_len, itemsize)
