@@ -85,24 +85,33 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     vtok = torch.cat((tail[:, 1:], draft_ids), dim=1)
     vpos = (c[:, None] - 1 + torch.arange(K + 1, device=dev)[None]).clamp(0, last_pos)
     tlogits = target(vtok, vpos, *target_kv, **span, **head)  # [B, K+1, V]; greedy: (argmax, finite) [B, K+1]
-    # the target's logits decide; a failed row commits nothing
-    finite = (tlogits[1] if greedy else torch.isfinite(tlogits).all(-1)).all(-1)
-    ok = active & finite
+    finite = tlogits[1] if greedy else torch.isfinite(tlogits).all(-1)  # [B, K+1]
+    # The target's logits decide, at the positions whose tokens the row commits: a non-finite position after a
+    # rejected draft (the draft's token drove the target there) is one a decode of the committed tokens never
+    # reaches. Every row runs the rule; one that would commit a token from a non-finite position fails, commits
+    # nothing and keeps its state.
+    n_out = state["n_out"]
+    leading = finite.long().cumprod(1).sum(1)
 
     # 3 + 4. rejection, counting, next inputs, output append
-    args = (ok, tail, c, state["n_out"], state["max_new"], stop_ids, out_buf)
+    args = (active, tail, c, n_out, state["max_new"], stop_ids, out_buf)
     if greedy:
         accept = greedy_accept_prepare if fused else greedy_accept_prepare_ref
         _, num_acc, _, new_tail, new_c, new_n, done = accept(draft_ids, tlogits[0], *args)
     else:
+        probs = sample(tlogits)  # a non-finite position's: uniform, so that the rule's arithmetic stays finite
+        probs = torch.where(finite[..., None], probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
         verify = block_verify if verification == "block" else rejection_sample
-        sampled, _ = verify(draft_ids, torch.stack(draft_probs, 1), sample(tlogits), seeds, steps, ok)
+        sampled, _ = verify(draft_ids, torch.stack(draft_probs, 1), probs, seeds, steps, active)
         prep = prepare_next if fused else prepare_next_ref
         num_acc, _, new_tail, new_c, new_n, done = prep(sampled, *args)
+    failed = active & (leading < new_n - n_out)  # (an appended token past n_out is never read)
+    ok = active & ~failed
+    new_tail = torch.where(failed[:, None], tail, new_tail)
+    new_c, new_n = torch.where(failed, c, new_c), torch.where(failed, n_out, new_n)
 
     col = (steps - 1).clamp(0, acc_log.shape[1] - 1)
     acc_log.index_put_((rows, col), torch.where(ok, num_acc, acc_log[rows, col]))
-    failed = active & ~finite
     return {
         "tail": new_tail,
         "seq_lens": new_c,

@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers import (interpreter_while_testing, kernel_setting, require_kernel, run_module_in_fresh_process,  # noqa: E402
-                     strided_copy)
+from helpers import (interpreter_while_testing, kernel_setting, require_kernel, run_compiled_script,  # noqa: E402
+                     run_module_in_fresh_process, strided_copy)
 
 from spec_graph import platform  # noqa: E402
 from spec_graph.kernels import decode_attention, decode_attention_ref  # noqa: E402
@@ -153,6 +153,63 @@ def test_off_by_one_live_length_is_caught():
         got = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), 0, None, bad, num_splits=2)
         assert not _close(got, ref, torch.float32), delta
         assert torch.allclose(got[:, :-1], ref[:, :-1], atol=1e-5, rtol=1e-5)  # only the moved query differs
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_reaches_only_the_rows_that_count_it(splits, bad):
+    """A verify whose query at position p_2 wrote a non-finite value into kv head 1 (a draft's token drove the
+    model there): queries before it equal attention over a cache without that key, in the kernel and in the
+    reference; the query heads of kv head 1 from p_2 on are NaN, the others finite. The control is the plain
+    masked product (0 * NaN), which spreads the value to the rows before it."""
+    _require_kernel()
+    B, T, Hkv, G, D, Lc = 2, 4, 2, 2, 16, 80
+    q, k, v, _ = _build(B, T, Hkv * G, Hkv, D, Lc, B, 1, torch.float32, 13)
+    pos = _positions([37, 70], T)
+    poisoned = v.clone()
+    for b in range(B):
+        poisoned[0, b, 1, pos[b, 2], 3] = bad
+    clean = decode_attention_ref(q, k, v, 0, None, pos)
+    heads_of_1 = torch.arange(Hkv * G) // G == 1
+    with block_n(16):
+        got = decode_attention(q.to(DEV), k.to(DEV), poisoned.to(DEV), 0, None, pos.to(DEV), num_splits=splits).cpu()
+    for out in (got, decode_attention_ref(q, k, poisoned, 0, None, pos)):
+        assert _close(out[:, :2], clean[:, :2], torch.float32)
+        assert out[:, 2:, heads_of_1].isnan().all() and _close(out[:, 2:, ~heads_of_1], clean[:, 2:, ~heads_of_1],
+                                                               torch.float32)
+    scores = torch.einsum("btgd,bld->btgl", q.view(B, T, Hkv, G, D)[:, :, 1], k[0, :, 1]) / math.sqrt(D)
+    masked = torch.arange(Lc)[None, None, None, :] > pos[:, :, None, None]
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), -1)
+    assert (probs @ poisoned[0, :, 1][:, None])[:, :2].isnan().any(-1).all()  # the control: every row NaN
+
+
+_SM90_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from spec_graph.kernels import attention as att
+
+fn = att._decode_attention_kernel
+out = {}
+for dtype, direct, block_m in (("bf16", True, 16), ("bf16", False, 32), ("fp32", False, 16)):
+    const = dict(HAS_SLOTS=True, DIRECT=direct, IEEE=dtype == "fp32", UPCAST=False, BLOCK_M=block_m,
+                 BLOCK_N=att.BLOCK_N, BLOCK_D=128)
+    types = {"slots_ptr": "*i64", "pos_ptr": "*i64", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "qk_scale": "fp32"}
+    sig = {n: "constexpr" if n in const else types.get(n, f"*{dtype}" if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    out[f"{dtype} direct={direct}"] = k.metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The split kernel compiles for an H100/H200 on any machine (the interpreter accepts what the compiler may
+    refuse), one split and several, bf16 and fp32, within an sm90 program's shared memory."""
+    shared = run_compiled_script(_SM90_SCRIPT, skip_without_ptxas=True)
+    assert len(shared) == 3 and max(shared.values()) <= 232448, shared
 
 
 @pytest.mark.parametrize("window", [0, 9])

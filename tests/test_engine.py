@@ -218,11 +218,20 @@ def _prefill_over_the_whole_caches(self, toks, pos, slots, lens):
         return logits[torch.arange(toks.shape[0], device=toks.device), lens - 1]
 
 
+def _attended_lengths(monkeypatch) -> list[int]:
+    """The cache positions each masked-attention product of the models reads, recorded as they run."""
+    from spec_graph.models import llama
+
+    seen, product = [], llama.masked_values_product
+    monkeypatch.setattr(llama, "masked_values_product", lambda p, v, m: seen.append(v.shape[2]) or product(p, v, m))
+    return seen
+
+
 @pytest.mark.parametrize("whole_caches", [False, True])
 def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monkeypatch, whole_caches):
-    """A prefill's attention covers the prompt's length bucket, not max_len (its work follows the prompt): with
-    every cache position past the bucket (16 here) NaN before the prefill, the first tokens are still HF's.
-    Control: a prefill over the whole caches reads the NaNs (masked, 0 * NaN) and fails each request."""
+    """A prefill's attention covers the prompt's length bucket (16 here), not max_len (its work follows the
+    prompt): its products read the longest prompt's positions, and with every cache position past 16 NaN before
+    the prefill the first tokens are still HF's. Control: a prefill over the whole caches reads all of them."""
     import spec_graph.engine as engine_mod
 
     monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past(16))
@@ -230,18 +239,20 @@ def test_prefill_reads_the_prompts_positions_alone(llama_pair, references, monke
         monkeypatch.setattr(engine_mod.SpecDecoder, "_prefill_forward", _prefill_over_the_whole_caches)
     target, draft = llama_pair
     # on CPU: a device's 16-token prefill of this pair takes the live-length attention kernel whatever it is given
-    out = decoder(target, draft, 3, max_len=1024, max_batch_size=8, device="cpu").generate(PROMPTS, max_new_tokens=1)
-    firsts = [r.token_ids for r in out]
+    dec = decoder(target, draft, 3, max_len=1024, max_batch_size=8, device="cpu")
+    seen = _attended_lengths(monkeypatch)
+    out = dec.generate(PROMPTS, max_new_tokens=1)
     assert max(len(p) for p in PROMPTS) <= 16
-    assert (firsts == [ref[:1] for ref in references]) == (not whole_caches), firsts
+    assert [r.token_ids for r in out] == [ref[:1] for ref in references]
+    assert seen and max(seen) == (dec.cache_len if whole_caches else max(len(p) for p in PROMPTS)), set(seen)
 
 
 @pytest.mark.parametrize("span,steps_per_graph", [(True, 1), (True, 3), (False, 1)])
 def test_eager_steps_read_their_span_alone(llama_pair, references, monkeypatch, span, steps_per_graph):
     """An eager step (CPU) reads the caches up to its rows' lengths plus what its replay can write, not all of
-    max_len, so its work follows the context: with every position past 128 NaN in each slot, each prompt's 20
-    tokens are still HF's (spans stay below 64), one step or three per replay. Control: the same engine reading
-    the whole caches meets the NaNs (masked, 0 * NaN) and fails every request."""
+    max_len, so its work follows the context: its products read under 64 positions, and with every position past
+    128 NaN in each slot, each prompt's 20 tokens are still HF's, one step or three per replay. Control: the
+    same engine reading the whole caches reads all of them."""
     import spec_graph.engine as engine_mod
 
     monkeypatch.setattr(engine_mod.SpecDecoder, "_zero_slots", nan_past(128))
@@ -249,11 +260,10 @@ def test_eager_steps_read_their_span_alone(llama_pair, references, monkeypatch, 
     dec = decoder(target, draft, 3, max_len=1024, max_batch_size=8, device="cpu", steps_per_graph=steps_per_graph)
     assert dec.span_steps  # eager on a CPU
     dec.span_steps = span
+    seen = _attended_lengths(monkeypatch)
     out = dec.generate(PROMPTS, max_new_tokens=20)
-    if span:
-        assert [r.token_ids for r in out] == references
-    else:
-        assert {r.finish_reason for r in out} == {"error"}, [r.finish_reason for r in out]
+    assert [r.token_ids for r in out] == references
+    assert seen and (max(seen) < 64 if span else max(seen) == dec.cache_len), sorted(set(seen))
 
 
 class _BoundWithoutSteps(SpecDecoder):

@@ -292,21 +292,29 @@ def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_pat
     assert not _is_prefix_of(r.token_ids[:-1] + [(r.token_ids[-1] + 1) % 96], ref)
 
 
-def test_a_slot_left_with_non_finite_values_serves_the_next_request(nan_setup, monkeypatch):
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_a_slot_left_with_non_finite_values_serves_the_next_request(nan_setup, monkeypatch, zeroed):
     """Caches left full of NaN (by a request whose model overflowed): the next requests in those slots still
-    equal HF. This engine attends over whole slots under a mask (the torch path), so admission must zero the
-    slot; the control skips that and must be caught."""
+    equal HF. This engine attends over whole slots under a mask (the torch path): admission zeroes the slot, and
+    a masked non-finite value enters no sum anyway, so either alone serves. The control drops both (admission
+    skips the zeroing, and the product is the plain masked one, 0 * NaN) and must be caught."""
+    from spec_graph.models import llama
+
     root, target, draft, refs = nan_setup
     dec = _decoder(target, draft, max_len=64, max_batch_size=2)
     assert not dec._reads_live_only()
-    for kv in (dec.target_kv, dec.draft_kv):
-        for c in kv:
-            c.fill_(float("nan"))
+    if not zeroed:
+        monkeypatch.setattr(dec, "_reads_live_only", lambda: True)
+
+    def fill():
+        for kv in (dec.target_kv, dec.draft_kv):
+            for c in kv:
+                c.fill_(float("nan"))
+    fill()
     assert [r.token_ids for r in dec.generate(PROMPTS, 12)] == refs
-    for kv in (dec.target_kv, dec.draft_kv):
-        for c in kv:
-            c.fill_(float("nan"))
+    fill()
     monkeypatch.setattr(dec, "_reads_live_only", lambda: True)
+    monkeypatch.setattr(llama, "masked_values_product", lambda probs, values, mask: probs @ values)
     assert [r.token_ids for r in dec.generate(PROMPTS, 12)] != refs
 
 
@@ -322,6 +330,60 @@ def test_nan_draft_alone_does_not_end_the_request(nan_setup, tmp_path):
     nan_target = _poison(perturbed_copy(target, tmp_path / "t", noise=0.0), "model.norm.weight")
     out = _decoder(nan_target, draft, max_len=64).generate(PROMPTS, 12)
     assert all(r.finish_reason == "error" and r.token_ids == [] for r in out)
+
+
+def _edit(path, edit):
+    """Apply ``edit(state)`` to a checkpoint's tensors, in place."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    edit(state)
+    save_file(state, str(f), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def nan_behind_a_rejection(tmp_path_factory):
+    """A target that turns NaN when fed token 0 (its embedding row) and never picks token 0 itself (a zero head
+    row: its logit 0 never tops 95 random ones), its greedy references, and two drafts that propose token 0: one
+    always (a zero final norm: every logit 0, the first wins), one in place of the target's favourite token (that
+    token's head row, scaled), after agreeing with the target elsewhere."""
+    root = tmp_path_factory.mktemp("nan_rejected")
+    clean = _edit(make_checkpoint(root / "clean", vocab_size=96, eos_token_id=None),
+                  lambda st: st["lm_head.weight"][0].zero_())
+    refs = [hf_greedy(clean, p, 16, eos=None) for p in PROMPTS]
+    assert all(0 not in r and 0 not in p for r, p in zip(refs, PROMPTS))
+    target = _poison(perturbed_copy(clean, root / "t", noise=0.0), "model.embed_tokens.weight", 0)
+    tokens = sum(refs, [])
+    favourite = max(set(tokens), key=tokens.count)
+    always = _edit(perturbed_copy(clean, root / "always", noise=0.0), lambda st: st["model.norm.weight"].zero_())
+    instead = _edit(perturbed_copy(clean, root / "instead", noise=0.0),
+                    lambda st: st["lm_head.weight"][0].copy_(1.5 * st["lm_head.weight"][favourite]))
+    return target, refs, {"always": always, "instead": instead}
+
+
+@pytest.mark.parametrize("K", [2, 5])
+@pytest.mark.parametrize("draft", ["always", "instead"])
+def test_a_rejected_draft_that_drives_the_target_to_nan_ends_nothing(nan_behind_a_rejection, draft, K):
+    """The verify feeds the draft's token 0; the target's logits turn NaN from there on, but the target rejects
+    it, and a decode of the committed tokens alone never meets token 0: every request equals HF's greedy output.
+    It needs both the masked NaN keys kept out of the rows before them and the finite check kept to the
+    positions a row commits (either alone ends every request with "error")."""
+    target, refs, drafts = nan_behind_a_rejection
+    out = _decoder(target, drafts[draft], K=K, max_len=64).generate(PROMPTS, 16)
+    assert [(r.token_ids, r.finish_reason) for r in out] == [(ref, "length") for ref in refs]
+    if draft == "instead":  # drafts agreed before the rejection at some steps: deeper positions were reached
+        assert max(max(r.accepted_counts) for r in out) >= 1
+
+
+def test_a_rejected_draft_that_drives_the_target_to_nan_ends_nothing_sampled(nan_behind_a_rejection):
+    """Sampled (top-k 3, where the target's zero logit for token 0 stays out of its top 3), with the draft that
+    always proposes 0: no request fails, and none holds token 0."""
+    target, refs, drafts = nan_behind_a_rejection
+    out = _decoder(target, drafts["always"], K=3, max_len=64).generate(PROMPTS * 4, 16, temperature=1.0, top_k=3,
+                                                                       seed=0)
+    assert all(r.finish_reason == "length" and 0 not in r.token_ids for r in out)
 
 
 # Sampling with a NaN draft: the joint law of the first three tokens is still the target's.

@@ -63,8 +63,23 @@ def decode_attention_ref(q, k_cache, v_cache, layer: int, slots, positions, wind
     scores = scores / math.sqrt(D) if scale is None else scores * scale
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, Hkv, g * T, L)
-    out = (probs @ values).view(B, Hkv, g, T, D).permute(0, 3, 1, 2, 4)
+    out = masked_values_product(probs, values, mask).view(B, Hkv, g, T, D).permute(0, 3, 1, 2, 4)
     return out.reshape(B, T, Hq, D)
+
+
+def masked_values_product(probs, values, mask):
+    """probs [B, Hkv, g * T, L] @ values [B, Hkv, L, D], where a value that is not finite enters no row that masks
+    it (mask [B, T, L]: False) and makes NaN the rows that count it. A plain product would spread a masked NaN to
+    every row (0 * NaN): a verify's rejected draft that drives the target to NaN would then end the rows before
+    it, which a decode of the committed tokens alone never sees."""
+    B, Hkv, GT, L = probs.shape
+    T = mask.shape[1]
+    finite = torch.isfinite(values)
+    out = probs @ torch.where(finite, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    key_bad = ~finite.all(-1)  # [B, Hkv, L]
+    row_bad = (mask[:, None, :, :] & key_bad[:, :, None, :]).any(-1)  # [B, Hkv, T]
+    row_bad = row_bad[:, :, None, :].expand(B, Hkv, GT // T, T).reshape(B, Hkv, GT, 1)
+    return torch.where(row_bad, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
 
 # ------------------------------------------------------------------ Triton kernels
@@ -81,10 +96,11 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, kp, end, qpos, q_lo, m_i, l_i, acc, qk_scale, skl, skd, svl, svd, offs_d,
+def _attend_block(q, k_base, v_base, kp, end, qpos, q_lo, m_i, l_i, acc, bad, qk_scale, skl, skd, svl, svd, offs_d,
                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One block of keys at positions kp (those below `end` exist) into the online softmax of query rows at
-    positions qpos: key k counts where q_lo < k <= qpos. Returns the new (m, l, acc)."""
+    positions qpos: key k counts where q_lo < k <= qpos. Returns the new (m, l, acc, bad): bad flags the rows that
+    counted a key whose value is not finite; such values enter no sum (0 * NaN would reach the rows masking them)."""
     kv_ok = kp < end
     kt = tl.load(k_base + kp[None, :] * skl + offs_d[:, None] * skd, mask=kv_ok[None, :], other=0.0)
     sc = _dot(q, kt, IEEE, UPCAST)
@@ -96,8 +112,12 @@ def _attend_block(q, k_base, v_base, kp, end, qpos, q_lo, m_i, l_i, acc, qk_scal
     p = tl.exp2(sc - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + kp[:, None] * svl + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)
+    v_fin = tl.abs(v.to(tl.float32)) < float("inf")  # false for NaN and +-inf
+    key_bad = tl.max(tl.where(v_fin, 0, 1), axis=1)
+    bad = tl.maximum(bad, tl.max(tl.where(ok, key_bad[None, :], 0), axis=1))
+    v = tl.where(v_fin, v, 0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, bad
 
 
 @triton.jit
@@ -115,6 +135,7 @@ def _decode_attention_kernel(
         keys of split s: [lo + s * chunk, min(lo + (s + 1) * chunk, live))   (empty: nothing is read)
         s_rk = qk_scale * q_r . k_k (log2 units) where p_r - WINDOW < k <= p_r, else -inf
         m_r = max_k s_rk,  l_r = sum_k 2^(s_rk - m_r),  acc_r = sum_k 2^(s_rk - m_r) v_k   (fp32, online)
+        acc_r = NaN where a counted v_k is not finite; a masked one counts as 0 (as if it were not in the cache)
     DIRECT (one split): out = acc / l; else (acc, m, l) go to the workspace for the combine kernel.
     """
     pid = tl.program_id(0)
@@ -155,9 +176,11 @@ def _decode_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bad = tl.zeros([BLOCK_M], tl.int32)
         for n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, n + offs_n, end, qpos, q_lo, m_i, l_i, acc, qk_scale,
-                                          skl, skd, svl, svd, offs_d, IEEE, UPCAST)
+            m_i, l_i, acc, bad = _attend_block(q, k_base, v_base, n + offs_n, end, qpos, q_lo, m_i, l_i, acc, bad,
+                                               qk_scale, skl, skd, svl, svd, offs_d, IEEE, UPCAST)
+        acc = tl.where(bad[:, None] > 0, float("nan"), acc)  # NaN through the combine's sums too
 
         if DIRECT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import platform
 from ..kernels import decode_attention, prefill_attention
+from ..kernels.attention import masked_values_product
 from ..kernels.counters import new_sync
 from ..kernels.decode_linear import (decode_gate_up, decode_head_argmax, decode_linear, decode_qkv_rope_cache,
                                      fused_rows_ok, rms_norm_ref, rope_ref)
@@ -159,7 +160,8 @@ class Attention(nn.Module):
         scores = (qg @ keys.transpose(-1, -2)).view(B, self.n_kv, g, T, L) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.n_kv, g * T, L)
-        out = (probs @ values).view(B, self.n_kv, g, T, self.head_dim).permute(0, 3, 1, 2, 4)
+        out = masked_values_product(probs, values, mask).view(B, self.n_kv, g, T, self.head_dim)
+        out = out.permute(0, 3, 1, 2, 4)
         return out.reshape(B, T, self.n_heads, self.head_dim)
 
 
