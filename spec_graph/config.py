@@ -1,7 +1,7 @@
 """SpecGraphConfig: everything that shapes the engine's static graphs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_SPECULATIVE_TOKENS = 16
 AUTO = "auto"
@@ -112,6 +112,11 @@ class SpecGraphConfig:
         self.slot_steps_waited  # noqa: B018 - checks admission_wait
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
+
+    def checked(self) -> "SpecGraphConfig":
+        """A copy with every field checked again, as the constructor checks them (fields may be set after it)."""
+        given = self.max_len_given or self.max_len != DEFAULT_MAX_LEN
+        return replace(self, max_len=self.max_len if given else None)
 
     @property
     def adaptive(self) -> bool:

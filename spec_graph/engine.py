@@ -88,6 +88,13 @@ def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:
                          f"max_batch_size (--max-batch-size; {batch_hint} with max_len={config.max_len})")
 
 
+def _checked(config) -> SpecGraphConfig:
+    if not isinstance(config, SpecGraphConfig):
+        raise ValueError(f"config must be a SpecGraphConfig, got {type(config).__name__}: write "
+                         f"config=SpecGraphConfig(...), e.g. SpecGraphConfig(num_speculative_tokens=4)")
+    return config.checked()
+
+
 def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
     """"auto" is bfloat16 where the platform has graphs (accelerators), float32 on CPU."""
     if dtype == "auto":
@@ -129,6 +136,7 @@ class SpecDecoder(DecoderBase):
     compile_prefill = True
 
     def __init__(self, target, draft, config: SpecGraphConfig, tokenizer=None, eos_token_ids=(), plat=None):
+        config = _checked(config)
         self.target, self.draft = target, draft
         vocab = target.args.vocab_size
         if draft.args.vocab_size != vocab:
@@ -163,7 +171,7 @@ class SpecDecoder(DecoderBase):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, target_dir, draft_dir, config: SpecGraphConfig | None = None) -> "SpecDecoder":
-        config = config or SpecGraphConfig()
+        config = _checked(config or SpecGraphConfig())
         check_device(config.device)
         _, targs = read_config(target_dir)
         _, dargs = read_config(draft_dir)

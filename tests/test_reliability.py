@@ -185,6 +185,26 @@ def test_bad_config_is_a_value_error(kw):
         SpecGraphConfig(**kw)
 
 
+@pytest.mark.parametrize("field,value", [("max_batch_size", 0), ("steps_per_graph", 0), ("num_speculative_tokens", 0),
+                                         ("max_len", "x"), ("verification", "nope"), ("batch_buckets", ())])
+def test_config_fields_set_after_construction_are_checked(llama_pair, field, value):
+    """A field set after the config was built is checked when an engine takes the config, as the constructor
+    checks it (an unchecked max_batch_size of 0 made generate loop for ever). Control: a good value set so is
+    taken."""
+    config = SpecGraphConfig(max_len=64)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field.replace("num_speculative_tokens", "K")):
+        SpecDecoder.from_pretrained(*llama_pair, config)
+    config = SpecGraphConfig(max_len=64)
+    config.max_batch_size = 3
+    assert SpecDecoder.from_pretrained(*llama_pair, config).config.max_batch_size == 3
+
+
+def test_config_of_another_type_is_named(llama_pair):
+    with pytest.raises(ValueError, match=r"config must be a SpecGraphConfig, got dict: write config=SpecGraphConfig"):
+        SpecDecoder.from_pretrained(*llama_pair, {"num_speculative_tokens": 2})
+
+
 @pytest.mark.parametrize("device,needle", [("npu", "torch_npu"), ("npu:0", "torch_npu"), ("tpu", "unsupported device"),
                                            ("cuda:x", "malformed device"), (3, "device must be")])
 def test_bad_device_names_the_project_message(llama_pair, device, needle):
