@@ -400,3 +400,28 @@ def test_clean_function_does_not_warn(backend_calls, eager_compile_stage):
     assert _split_warnings(no_break, x, -x) == []
     assert len(backend_calls) == 1
     assert host_sync.warn_if_split(eager_compile_stage[0]) is False
+
+
+def test_a_to_its_own_device_is_no_copy(backend_calls, eager_compile_stage):
+    """``x.to(y.device)`` with both on one device (Hugging Face's RoPE writes it) copies nothing: not a finding, and
+    the backend compiles it. Control: a device written out, ``.to("cpu")``, is still a copy to the host."""
+    own = lambda a: a.to(a.device) * 2 + 1  # noqa: E731
+    x = torch.randn(3)
+    assert spec_graph.check(own, x).findings == []
+    torch.testing.assert_close(torch.compile(own, backend="spec_graph")(x), own(x))
+    assert backend_calls == [[]]
+    assert [f.op for f in spec_graph.check(lambda a: a.to("cpu") * 2, x).findings] == ["to(cpu)"]
+
+
+def test_a_hugging_face_llama_compiles_through_the_backend(tmp_path, backend_calls, eager_compile_stage):
+    """A stock transformers Llama (its RoPE moves inv_freq with ``.to(x.device)``) compiles with
+    backend="spec_graph" and gives eager's logits."""
+    import transformers
+    from helpers import make_checkpoint
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(make_checkpoint(tmp_path / "m", vocab_size=96)).eval()
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = torch.compile(model, backend="spec_graph")(ids).logits, model(ids).logits
+    torch.testing.assert_close(got, want)
+    assert backend_calls and all(found == [] for found in backend_calls)

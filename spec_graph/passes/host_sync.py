@@ -262,12 +262,21 @@ def _unbacked(v: Any) -> set:
         return set()
 
 
+def _to_own_device(node: torch.fx.Node) -> bool:
+    """A ``.to`` whose device is a ``torch.device`` equal to its input's, as ``x.to(y.device)`` traces where both
+    live on one device (Hugging Face's RoPE does it): no copy at all. A device written out ("cpu") is taken at its
+    word, for what the code does on an accelerator."""
+    src = _device_of(_value(node.args[0])) if node.args else None
+    devs = [a for a in (*node.args[1:], node.kwargs.get("device")) if isinstance(a, torch.device)]
+    return src is not None and bool(devs) and all(d == src for d in devs)
+
+
 def _copy_to_cpu(node: torch.fx.Node, name: str) -> bool:
     """An explicit copy to the CPU: ``.cpu()``, ``.to("cpu")``, ``_to_copy(..., device=cpu)``, a ``copy_`` from a
     device tensor into a CPU one, or any op whose CPU output comes from a tensor on another device."""
     if name in _TO_CPU_NAMES:
         return True
-    if name in _TO_NAMES:
+    if name in _TO_NAMES and not _to_own_device(node):
         if _is_cpu_device(node.kwargs.get("device")):
             return True
         if node.op == "call_method" and any(_is_cpu_device(a) for a in node.args[1:]):
