@@ -438,7 +438,10 @@ class DecoderBase(StepTimes):
         else:
             given = list(stop_token_ids)
         for t in given:
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
+            if not _is_int(t):
+                raise ValueError(f"stop token id {t!r} (stop_token_ids) is not an integer: pass token ids, such as "
+                                 f"[2, 13]")
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t!r} (stop_token_ids) is out of range [0, {self.vocab_size})")
         stop_set = set(self.eos_token_ids) | {int(t) for t in given}
         if len(stop_set) > MAX_STOP_IDS:
