@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop-token-ids", type=_int_list, default=None, metavar="2,13",
+                   help="comma-separated token ids that end a request besides EOS (kept as its last token)")
     g.add_argument("--max-len", type=int, default=None,
                    help="longest prompt + output (default: fits the request, at most the models' window)")
     g.add_argument("--max-batch-size", type=_positive_int, default=None,
@@ -269,7 +271,7 @@ def _generate(a) -> int:
     bar = _Progress(enabled=not (a.json or a.quiet))
     try:
         out = dec.generate(prompts, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                           seed=a.seed, progress=bar)
+                           seed=a.seed, stop_token_ids=a.stop_token_ids, progress=bar)
     finally:
         bar.close()
     s = out.stats

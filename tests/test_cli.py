@@ -91,6 +91,25 @@ def test_explicit_pair(capsys, llama_pair):
     assert code == 0 and len(json.loads(out)["outputs"][0]["token_ids"]) <= 5
 
 
+def test_stop_token_ids_flag(capsys, llama_pair):
+    """A stop id the greedy output reaches ends the request there, the id its last token; without it the request
+    runs to --max-new-tokens. An id out of the vocabulary is one line naming it."""
+    t, d = llama_pair
+    argv = ("generate", "--target", str(t), "--draft", str(d), "--prompt-ids", "5,6,7", "--json",
+            "--max-new-tokens", "12")
+    code, out, _ = run_cli(capsys, *argv)
+    full = json.loads(out)["outputs"][0]
+    assert code == 0 and full["finish_reason"] == "length" and len(full["token_ids"]) == 12
+    stop = full["token_ids"][5]
+    code, out, _ = run_cli(capsys, *argv, "--stop-token-ids", f"{stop},{stop}")
+    first = json.loads(out)["outputs"][0]
+    cut = full["token_ids"].index(stop) + 1
+    assert code == 0 and first == {**full, "token_ids": full["token_ids"][:cut], "finish_reason": "stop",
+                                   "text": first["text"]}
+    code, _, err = run_cli(capsys, *argv, "--stop-token-ids", "999999")
+    assert code != 0 and "stop token id 999999 (stop_token_ids) is out of range" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--prompt", "x", "-k", "0"], "1..16"),
     (["generate", "--prompt", "x", "--target", "/nonexistent", "--draft", "/nonexistent"], "does not exist"),
