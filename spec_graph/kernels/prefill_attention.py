@@ -78,11 +78,13 @@ def _prefill_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bad = tl.zeros([BLOCK_M], tl.int32)
         for n in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, n + offs_n, hi, qpos, q_lo, m_i, l_i, acc, qk_scale,
-                                          skl, skd, svl, svd, offs_d, IEEE, UPCAST)
+            m_i, l_i, acc, bad = _attend_block(q, k_base, v_base, n + offs_n, hi, qpos, q_lo, m_i, l_i, acc, bad,
+                                               qk_scale, skl, skd, svl, svd, offs_d, IEEE, UPCAST)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o = tl.where(bad[:, None] > 0, float("nan"), o)  # a counted value that is not finite (as decode_attention)
         tl.store(out_ptr + b * sob + t[:, None] * sot + head[:, None] * soh + offs_d[None, :] * sod,
                  o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
 
