@@ -37,18 +37,22 @@ def _set_config(path, **fields):
 _DROP = object()
 
 
-def _poison(path, tensor: str, rows=None):
-    """Set `tensor` (or its `rows`) of a checkpoint to NaN, in place."""
+def _edit(path, edit):
+    """Apply ``edit(state)`` to a checkpoint's tensors, in place."""
     from safetensors.torch import load_file, save_file
 
     f = path / "model.safetensors"
     state = load_file(str(f))
-    if rows is None:
-        state[tensor][...] = float("nan")
-    else:
-        state[tensor][rows] = float("nan")
+    edit(state)
     save_file(state, str(f), metadata={"format": "pt"})
     return path
+
+
+def _poison(path, tensor: str, rows=None):
+    """Set `tensor` (or its `rows`) of a checkpoint to NaN, in place."""
+    def nan(state):
+        state[tensor][... if rows is None else rows] = float("nan")
+    return _edit(path, nan)
 
 
 def _decoder(target, draft, K=3, **cfg):
@@ -355,17 +359,6 @@ def test_nan_draft_alone_does_not_end_the_request(nan_setup, tmp_path):
     assert all(r.finish_reason == "error" and r.token_ids == [] for r in out)
 
 
-def _edit(path, edit):
-    """Apply ``edit(state)`` to a checkpoint's tensors, in place."""
-    from safetensors.torch import load_file, save_file
-
-    f = path / "model.safetensors"
-    state = load_file(str(f))
-    edit(state)
-    save_file(state, str(f), metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def nan_behind_a_rejection(tmp_path_factory):
     """A target that turns NaN when fed token 0 (its embedding row) and never picks token 0 itself (a zero head
@@ -400,12 +393,22 @@ def test_a_rejected_draft_that_drives_the_target_to_nan_ends_nothing(nan_behind_
         assert max(max(r.accepted_counts) for r in out) >= 1
 
 
-def test_a_rejected_draft_that_drives_the_target_to_nan_ends_nothing_sampled(nan_behind_a_rejection):
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_a_rejected_draft_that_drives_the_target_to_nan_ends_nothing_sampled(nan_behind_a_rejection, verification):
     """Sampled (top-k 3, where the target's zero logit for token 0 stays out of its top 3), with the draft that
-    always proposes 0: no request fails, and none holds token 0."""
+    proposes 0 in place of the target's favourite (its top 3 holds 0 there): verifies do meet NaN logits, yet no
+    request fails, and none holds token 0."""
     target, refs, drafts = nan_behind_a_rejection
-    out = _decoder(target, drafts["always"], K=3, max_len=64).generate(PROMPTS * 4, 16, temperature=1.0, top_k=3,
-                                                                       seed=0)
+    dec = _decoder(target, drafts["instead"], K=3, max_len=64, verification=verification)
+    forward, verifies_with_nan = dec.target.forward, []
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        verifies_with_nan.append(bool((~torch.isfinite(out)).any()))
+        return out
+    dec.target.forward = spy
+    out = dec.generate(PROMPTS * 4, 16, temperature=1.0, top_k=3, seed=0)
+    assert any(verifies_with_nan)
     assert all(r.finish_reason == "length" and 0 not in r.token_ids for r in out)
 
 
