@@ -247,37 +247,26 @@ def _patch_runner_choice(config_cls) -> None:
     config_cls.use_v2_model_runner = property(use_v2_model_runner, doc=original.__doc__)
 
 
-def draft_is_covered(spec) -> bool:
-    """Whether spec-graph's own models cover the draft (else: vLLM's drafter serves it): its architecture, and
-    where its config.json is at hand, all of it (a rope type or activation spec-graph lacks falls back too)."""
-    from ..models import SUPPORTED_ARCHITECTURES, UnsupportedModelError
+def covered_draft(spec):
+    """(covered, args): whether spec-graph's own models cover the draft (else: vLLM's drafter serves it), by its
+    architecture and, where its config.json is at hand, all of it (a rope type or activation spec-graph lacks
+    falls back too); and its ModelArgs as the drafter reads them, None where there is no local checkpoint
+    directory or a malformed config.json (the drafter's load names either)."""
+    from ..models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, read_config
 
     cfg = getattr(spec, "draft_model_config", None)
     archs = getattr(cfg, "architectures", None) or getattr(getattr(cfg, "hf_config", None), "architectures", None)
     if not (archs and archs[0] in SUPPORTED_ARCHITECTURES):
-        return False
-    try:
-        draft_args(spec)
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def draft_args(spec):
-    """The draft's ModelArgs, read from its config.json as the drafter reads them; None where there is no local
-    checkpoint directory to read (the drafter's load reports that). Raises UnsupportedModelError for a draft
-    spec-graph does not implement."""
-    from ..models import CheckpointError, UnsupportedModelError, read_config
-
-    path = getattr(getattr(spec, "draft_model_config", None), "model", None)
+        return False, None
+    path = getattr(cfg, "model", None)
     if not path:
-        return None
+        return True, None
     try:
-        return read_config(path)[1]
+        return True, read_config(path)[1]
     except UnsupportedModelError:
-        raise
-    except (CheckpointError, ValueError):  # a malformed config.json: the drafter's load names it
-        return None
+        return False, None
+    except ValueError:  # CheckpointError too
+        return True, None
 
 
 def _flag_on(vllm_config) -> bool:
@@ -312,10 +301,11 @@ def check_config(vllm_config):
         # draft TP unlike the target's is fine for it; a draft it does not cover falls back to vLLM's own
         # drafter, which needs equal TP: vLLM's own check and message then (it would only fire in the worker).
         spec = vllm_config.speculative_config
-        if not draft_is_covered(spec):
+        covered, args = covered_draft(spec)
+        if not covered:
             DraftModelProposer._raise_if_draft_tp_mismatch(SimpleNamespace(speculative_config=spec))
         else:  # refused here, not in a worker at load time
-            check_covered_draft(vllm_config, draft_args(spec))
+            check_covered_draft(vllm_config, args)
         if hasattr(type(vllm_config), "use_v2_model_runner"):
             vllm_config.use_v2_model_runner  # noqa: B018 - refuses a config that forces the V2 runner, now
     return settings
