@@ -19,16 +19,28 @@ DEFAULT_MAX_PROGRAMS = 1024
 CPU_SMS = 132  # multiprocessors assumed off CUDA (an H100's / H200's count)
 
 
-def _host_available_memory() -> int:
-    """Bytes of host memory available to a new allocation (MemAvailable; free pages where /proc is absent)."""
+def _meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes; None where /proc is absent."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def _host_total_memory() -> int:
+    """Bytes of host memory (MemTotal; physical pages where /proc is absent)."""
+    total = _meminfo("MemTotal")
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if total is None else total
+
+
+def _host_available_memory() -> int:
+    """Bytes of host memory available to a new allocation (MemAvailable; free pages where /proc is absent)."""
+    avail = _meminfo("MemAvailable")
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if avail is None else avail
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,13 @@ class Platform:
             return _host_available_memory()
         free, _ = self._mod.mem_get_info(self.device)
         return int(free)
+
+    def total_memory(self) -> int:
+        """Bytes of memory on this device (host memory on CPU)."""
+        if self._mod is None:
+            return _host_total_memory()
+        _, total = self._mod.mem_get_info(self.device)
+        return int(total)
 
     def memory_reserved(self) -> int | None:
         """Bytes the caching allocator holds on this device (graph pools included); None on CPU."""

@@ -460,7 +460,7 @@ def test_flag_on_same_greedy_output_as_vllm_and_hf(models, vllm_baseline, spec_g
     position counts, with a draft that is accepted often but not always."""
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-    from spec_graph.vllm_plugin.proposer import SpecGraphProposer
+    from spec_graph.vllm_plugin.proposer import SpecGraphProposer, target_sequence_bytes
 
     target, draft = models
     llm = _llm(target, draft, flag=True)
@@ -468,6 +468,10 @@ def test_flag_on_same_greedy_output_as_vllm_and_hf(models, vllm_baseline, spec_g
         d = _drafter(llm)
         assert type(d) is SpecGraphProposer and isinstance(d, DraftModelProposer) and not d.fallback
         assert not d.core.compile_chain  # enforce_eager: nothing is compiled
+        # the draft's memory budget counts one max_model_len sequence of the target's cache as vLLM's runner does
+        specs = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_kv_cache_spec()
+        per_token = sum(spec.page_size_bytes // spec.block_size for spec in specs.values())
+        assert target_sequence_bytes(llm.llm_engine.vllm_config) == per_token * 256 > 0
         outs = _generate(llm)
         stats = _spec_stats(llm)
     finally:
@@ -610,15 +614,47 @@ def test_cache_that_does_not_fit_is_refused(models, monkeypatch, spec_graph_draf
     args = read_config(str(draft))[1]
     need = lambda seqs, length: kv_cache_bytes(args, seqs + 1, cache_length(length, K), 4)  # noqa: E731
     have = need(4, 256) - 1  # one byte short of max_num_seqs=4, max_model_len=256
-    monkeypatch.setattr(proposer, "available_memory", lambda device: have)
+    # vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE=1 sets kv_cache_memory_bytes) is not the draft's to take
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setattr(proposer, "available_memory", lambda device: have + 2**30)
     with pytest.raises(Exception, match=r"draft KV cache needs .* MiB \(max_num_seqs=4, max_model_len=256, "
-                                        r"K=3\)") as err:
+                                        r"K=3\) .* \(vLLM keeps kv_cache_memory_bytes=1073741824\)") as err:
         _llm(target, draft, flag=True)
     # the settings it names are the largest that fit
     seqs, length = map(int, re.search(r"at most (\d+) fit at this max_model_len\) or max_model_len \(at most (\d+) "
                                       r"fits 4 sequences", str(err.value)).groups())
     assert seqs == 3 and need(seqs, 256) <= have < need(seqs + 1, 256)
     assert 0 < length < 256 and need(4, length) <= have < need(4, length + 1)
+
+
+def _budget_config(kv_cache_memory_bytes=None, cache_dtype="auto", use_mla=False):
+    """The fields of a VllmConfig that the drafter's memory budget reads: a 0.25 utilisation, and a target of
+    3 layers x 2 KV heads x 8 dims in bfloat16 at max_model_len 100 on this rank."""
+    model = SimpleNamespace(dtype=torch.bfloat16, max_model_len=100, use_mla=use_mla,
+                            get_num_layers=lambda pc: 3, get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 8)
+    cache = SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=0.25,
+                            cache_dtype=cache_dtype)
+    return SimpleNamespace(model_config=model, parallel_config=None, cache_config=cache)
+
+
+def test_draft_budget_leaves_vllm_its_share(monkeypatch):
+    """The draft cache may not take what gpu_memory_utilization leaves to other processes, nor the target's
+    cache for one max_model_len sequence (K and V, or one latent for MLA); an explicit kv_cache_memory_bytes is
+    vLLM's whole cache."""
+    from spec_graph import platform
+    from spec_graph.vllm_plugin.proposer import vllm_keeps
+
+    monkeypatch.setattr(platform.Platform, "total_memory", lambda self: 4 * 2**30)
+    cpu = torch.device("cpu")
+    one_seq = 3 * 2 * 8 * 2 * 100  # layers x heads x dims x bytes x positions, for each of K and V
+    keep, why = vllm_keeps(_budget_config(), cpu)
+    assert keep == 3 * 2**30 + 2 * one_seq, (keep, why)
+    assert "gpu_memory_utilization=0.25" in why and "3072.0 MiB" in why
+    assert vllm_keeps(_budget_config(cache_dtype="fp8_e4m3"), cpu)[0] == 3 * 2**30 + one_seq
+    assert vllm_keeps(_budget_config(cache_dtype="float32"), cpu)[0] == 3 * 2**30 + 4 * one_seq
+    assert vllm_keeps(_budget_config(use_mla=True), cpu)[0] == 3 * 2**30 + one_seq
+    assert vllm_keeps(_budget_config(kv_cache_memory_bytes=5 * 2**20), cpu) == (5 * 2**20,
+                                                                                "kv_cache_memory_bytes=5242880")
 
 
 # ------------------------------------------------- the proposer, driven directly

@@ -58,6 +58,36 @@ def available_memory(device: torch.device) -> int:
     return _platform.Platform(device.type).free_memory()
 
 
+def target_sequence_bytes(vllm_config) -> int:
+    """Bytes of the target's KV cache for one max_model_len sequence on this rank: vLLM refuses to start
+    without room for it."""
+    mc, pc, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    kv_dtype = str(cache.cache_dtype)
+    if kv_dtype == "auto":
+        itemsize = mc.dtype.itemsize
+    elif "fp8" in kv_dtype or "int8" in kv_dtype:
+        itemsize = 1
+    else:
+        itemsize = getattr(torch, kv_dtype, mc.dtype).itemsize
+    per_token = mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * itemsize
+    return per_token * (1 if mc.use_mla else 2) * mc.max_model_len
+
+
+def vllm_keeps(vllm_config, device: torch.device) -> tuple[int, str]:
+    """Bytes of `device`'s free memory that the draft cache must leave to vLLM when the drafter loads (before
+    vLLM sizes its own KV cache), and why. With kv_cache_memory_bytes set, that KV cache; else the share
+    gpu_memory_utilization leaves to other processes, and one max_model_len sequence of the target's cache."""
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes:
+        return int(cache.kv_cache_memory_bytes), f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+    util = cache.gpu_memory_utilization
+    others = int((1 - util) * _platform.Platform(device.type).total_memory())
+    one_seq = target_sequence_bytes(vllm_config)
+    return others + one_seq, (f"{others / 2**20:.1f} MiB that gpu_memory_utilization={util} leaves to other "
+                              f"processes, {one_seq / 2**20:.1f} MiB for one max_model_len sequence of the "
+                              f"target's KV cache")
+
+
 def default_buckets(max_slots: int) -> tuple[int, ...]:
     out, b = [], 1
     while b < max_slots:
@@ -403,7 +433,9 @@ class VllmAdapter:
         slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = kv_cache_bytes(args, slots, cache_len, itemsize)
-        have = available_memory(torch.device(self.device))
+        free = available_memory(torch.device(self.device))
+        keep, why = vllm_keeps(self.vllm_config, torch.device(self.device))
+        have = max(free - keep, 0)
         if need > have:
             fit_len, fit_slots = kv_fit(need, have, slots, cache_len, K)
             fit_seqs = fit_slots - 1  # one slot more than max_num_seqs
@@ -411,9 +443,10 @@ class VllmAdapter:
             len_hint = f"at most {fit_len} fits" if fit_len >= 2 else "none fits"
             raise ValueError(
                 f"spec-graph: the draft KV cache needs {need / 2**20:.1f} MiB (max_num_seqs={self.max_slots}, "
-                f"max_model_len={self.max_model_len}, K={K}) but only {have / 2**20:.1f} MiB are free on "
-                f"{self.device}; lower max_num_seqs ({seqs_hint} at this max_model_len) or "
-                f"max_model_len ({len_hint} {self.max_slots} sequences)")
+                f"max_model_len={self.max_model_len}, K={K}) but only {have / 2**20:.1f} MiB of the "
+                f"{free / 2**20:.1f} MiB free on {self.device} are left to it (vLLM keeps {why}); lower "
+                f"max_num_seqs ({seqs_hint} at this max_model_len) or max_model_len ({len_hint} "
+                f"{self.max_slots} sequences)")
         model = load_model(path, dtype=self.dtype, device=self.device)
         # Compile the chain where vLLM compiles its models (not under enforce_eager); graphs capture it anyway.
         compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
