@@ -60,15 +60,15 @@ if variant == "split, computed counters":  # the control of the counters check: 
     from spec_graph.models import llama
     fused = llama.DecoderLayer.forward_fused
     llama.DecoderLayer.forward_fused = lambda self, *a: fused(self, *a[:-1], a[-1] * 1)
-if variant.endswith("fused choice"):  # the greedy heads' argmax folded into their kernel
+if variant.endswith("fused choice"):  # the greedy heads' argmax folded into their kernel, or torch's after them
     from spec_graph.models import llama
-    llama.FUSED_CHOICE = True
+    llama.FUSED_CHOICE = not variant.endswith("unfused choice")
 if variant.startswith("opaque"):  # as the engine compiles its step on a graph platform: the ops kept whole
     import spec_graph.backend as backend_mod
     import spec_graph.engine as engine_mod
     compile_step = engine_mod.backend_compile
     engine_mod.backend_compile = lambda *a, **k: compile_step(*a, **{**k, "opaque_kernels": True})
-    if variant == "opaque, exact strides":  # the control: inductor's default layout rule for custom ops
+    if variant.startswith("opaque, exact strides"):  # the control: inductor's default layout rule for custom ops
         import torch._functorch.config as fc
         backend_mod.opaque_ops = lambda: fc.patch(decompose_custom_triton_ops=False)
 mismatches = []
@@ -166,7 +166,7 @@ def test_opaque_step_computes_rope_once_per_forward():
     forward and copies no cache. The control keeps inductor's default layout rule for custom ops (exact strides),
     under which it computes the tables again for each layer's qkv op (on an H200, 62 kernels more in a K=4 step)."""
     forwards, layers = 5, 3
-    got = _lowered("opaque")
+    got = _lowered("opaque, unfused choice")
     assert got.get("kernel _decode_linear_kernel", 0) == 0, got  # nothing decomposed
     assert got["op decode_qkv_rope_cache"] == got["op decode_attention"] == forwards * layers, got
     assert got["op decode_gate_up"] == forwards * layers, got
@@ -174,14 +174,15 @@ def test_opaque_step_computes_rope_once_per_forward():
     assert got.get("argmax buffers", 0) >= forwards and "op decode_head_argmax" not in got, got  # FUSED_CHOICE off
     assert got.get("cache index_put buffers", 0) == 0 and got.get("other cache-sized buffers", 0) == 0, got
     assert got["cos buffers"] <= 2 * forwards, got
-    control = _lowered("opaque, exact strides")
+    control = _lowered("opaque, exact strides, unfused choice")
     assert control["cos buffers"] >= forwards * layers, control
 
 
 def test_fused_choice_takes_the_heads_argmax_into_their_kernel():
-    """With FUSED_CHOICE each greedy forward's head, as the engine compiles its step, is one decode_head_argmax and
-    the step has no argmax of its own. The control is test_opaque_step_computes_rope_once_per_forward's step (the
-    default), which takes torch's argmax after each head."""
+    """With FUSED_CHOICE on, each greedy forward's head, as the engine compiles its step, is one
+    decode_head_argmax and the step has no argmax of its own. The control is
+    test_opaque_step_computes_rope_once_per_forward's step (FUSED_CHOICE off), which takes torch's argmax after
+    each head."""
     forwards, layers = 5, 3
     got = _lowered("opaque, fused choice")
     assert got["op decode_head_argmax"] == forwards and got["op decode_linear"] == forwards * 2 * layers, got
