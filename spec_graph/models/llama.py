@@ -39,8 +39,8 @@ PREFILL_SDPA_POSITIONS = 128
 # attention op, where that op runs and the rows fit; False keeps nn.Linear (benchmarks compare the two).
 FUSED_LAYERS = True
 # A forward asked only for its greedy choice (choose=True) folds the argmax into the fused head's kernel
-# (kernels/greedy_head.py) when True; False: the head's logits, then torch's argmax and isfinite. Off until the
-# fold's step is timed on a GPU (benchmarks set it with --set llama.FUSED_CHOICE=True).
+# (kernels/greedy_head.py) when True; False: the head's logits, then torch's argmax and isfinite. Off: the step
+# with the fold measured no faster on an H100 (benchmarks set it with --set llama.FUSED_CHOICE=True).
 FUSED_CHOICE = False
 
 
