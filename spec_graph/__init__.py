@@ -7,6 +7,7 @@ _EXPORTS = {
     "GenerationOutput": "engine",
     "GenerationResult": "engine",
     "GenerationStats": "engine",
+    "export_pair": "export",
     "load_exported": "export",
     "ExportedRunner": "export",
     "ExportError": "export",

@@ -15,6 +15,7 @@ import torch
 
 from . import platform as _platform
 from .capture import CapturedFunction
+from .config import check_device
 from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
 from .passes.manager import PassManager, check_enabled
 
@@ -58,6 +59,13 @@ class BackendOptions:
         opts = cls(**options)
         if opts.on_passes is not None and not callable(opts.on_passes):
             raise ValueError(f"options['on_passes'] must be callable, got {opts.on_passes!r}")
+        for name in ("capture", "opaque_kernels"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ValueError(f"options[{name!r}] must be True or False, got {getattr(opts, name)!r}")
+        for name in ("passes", "inductor"):
+            if not isinstance(getattr(opts, name), dict):
+                raise ValueError(f"options[{name!r}] must be a dict, got {getattr(opts, name)!r}")
+        check_device(opts.device)
         check_enabled(opts.passes, "options['passes']")
         return opts
 

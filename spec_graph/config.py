@@ -180,7 +180,7 @@ def check_device(device) -> None:
     from . import platform
 
     if kind == "npu" and not platform._npu_available():
-        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use --device cpu")
+        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use device 'cpu' (--device cpu)")
     try:
         torch.device(device)
     except (RuntimeError, ValueError, TypeError):

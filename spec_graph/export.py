@@ -510,10 +510,13 @@ class ExportedRunner(DecoderBase):
                     break
                 need = len(ids) + int(max_new_tokens)
                 if need > limit:
-                    raise ValueError(
-                        f"prompt {i} has {len(ids)} tokens; with max_new_tokens={int(max_new_tokens)} it needs {need} "
-                        f"> max_len={limit}, which the export fixed: export again with a larger --max-len "
-                        f"(spec-graph export --max-len {need} or more), or shorten the prompt or lower max_new_tokens")
+                    msg = (f"prompt {i} has {len(ids)} tokens; with max_new_tokens={int(max_new_tokens)} it needs "
+                           f"{need} > max_len={limit}, which the export fixed: ")
+                    if self.window is not None and need > self.window:  # past what the models were trained on
+                        raise ValueError(msg + f"that is past the models' window ({self.window} positions): "
+                                               "shorten the prompt or lower max_new_tokens")
+                    raise ValueError(msg + f"export again with a larger --max-len (spec-graph export --max-len "
+                                           f"{need} or more), or shorten the prompt or lower max_new_tokens")
         return super()._encode(prompts, max_new_tokens)
 
     def _new_kv_caches(self, rows: int, cache_len: int):

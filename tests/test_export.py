@@ -301,6 +301,14 @@ def test_too_many_new_tokens_says_to_export_again(runner, exported, capsys):
     with pytest.raises(ValueError, match=rf"needs {5 + MAX_LEN} > max_len={MAX_LEN}, which the export fixed: "
                                          "export again with a larger --max-len"):
         runner.generate(PROMPTS, max_new_tokens=MAX_LEN)
+    import spec_graph
+    from spec_graph.export import export_pair
+
+    assert spec_graph.export_pair is export_pair and "export_pair" in spec_graph.__all__  # the README's Python form
+    assert isinstance(runner.window, int) and runner.window > MAX_LEN + 5
+    # past the models' window a larger export would not help: the advice is to ask for less
+    with pytest.raises(ValueError, match=rf"past the models' window \({runner.window} positions\): shorten"):
+        runner.generate(PROMPTS, max_new_tokens=runner.window)
     with pytest.raises(ValueError, match="out of range"):  # the base checks keep their order and messages
         runner.generate([[10**6] * 70], max_new_tokens=10)
     assert main(["generate", "--exported", str(exported[0]), "--prompt-ids", "5,6", "--max-new-tokens",

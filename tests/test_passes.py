@@ -452,9 +452,16 @@ def test_names_and_options():
     from spec_graph.backend import BackendOptions
 
     for bad, match in (({"passes": {"fuse_greedy_acept": False}}, "unknown pass"), ({"passes": None}, "dict"),
-                       ({"passes": {"fuse_prepare_next": 0}}, "True or False")):
+                       ({"passes": {"fuse_prepare_next": 0}}, "True or False"),
+                       ({"capture": "no"}, "options\\['capture'\\] must be True or False"),
+                       ({"opaque_kernels": 1}, "options\\['opaque_kernels'\\] must be True or False"),
+                       ({"inductor": [("max_autotune", True)]}, "options\\['inductor'\\] must be a dict"),
+                       ({"device": "tpu"}, "unsupported device 'tpu': use cuda, npu or cpu"),
+                       ({"device": 3}, "device must be a string")):
         with pytest.raises(ValueError, match=match):
             BackendOptions.parse(bad)
+    ok = BackendOptions.parse({"capture": False, "device": "cpu", "opaque_kernels": True, "inductor": {}})
+    assert (ok.capture, ok.device, ok.opaque_kernels) == (False, "cpu", True)
 
 
 def test_uuid_stable_and_follows_enabled_set():
