@@ -157,16 +157,12 @@ def current() -> Platform:
 def get(device: str | torch.device | None = None) -> Platform:
     if device is None:
         return current()
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError, TypeError):  # a type torch does not know (e.g. "npu" without torch_npu)
-        kind = None
-    if kind not in ("cuda", "npu", "cpu"):
-        raise ValueError(f"unsupported device {device!r}: use cuda, npu or cpu")
+    from .config import check_device  # the one check of a device name (types, torch_npu, malformed names)
+
+    check_device(device)
+    kind = torch.device(device).type
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device 'cpu' (--device cpu)")
-    if kind == "npu" and not _npu_available():
-        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use device 'cpu' (--device cpu)")
     return Platform(kind)
 
 
