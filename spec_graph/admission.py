@@ -5,7 +5,8 @@ a free slot beside busy ones costs only its share of each step. So a freed slot 
 share their prefill: until the free slots have idled ``admission_wait`` slot-steps in all since the last
 admission (one slot that many steps, four slots a quarter of them; a replay of N steps adds N per free slot), the
 ski-rental rule. Nothing waits where no row is busy, or where every queued request already has a slot. The rule
-counts steps, not time, so a seed gives the same admissions, and the same Ks under "auto", on every run.
+counts steps, not time, so a seed gives the same admissions on every run (and, under "auto", the same Ks on every
+call of one engine, whose step times are measured once).
 """
 from __future__ import annotations
 

@@ -10,6 +10,12 @@ K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 DEFAULT_MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_MAX_LEN = 512
 DEVICES = ("cuda", "npu", "cpu")
+# Fields an engine is built from (its buffers, caches and compiled steps): fixed once it is built. Of the rest,
+# max_batch_size and max_len may be lowered on a built engine, and batch_buckets and steps_per_graph changed
+# (its graphs are captured again); admission_wait is read per call.
+FIXED_FIELDS = ("num_speculative_tokens", "max_speculative_tokens", "dtype", "device", "enable_graph", "passes",
+                "verification")
+CEILING_FIELDS = ("max_batch_size", "max_len")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 VERIFICATIONS = ("token", "block")
 CACHE_ALIGN = 16  # cache positions: rows of attention scores stay 32-byte aligned for the matmul kernels
@@ -94,12 +100,7 @@ class SpecGraphConfig:
             self.max_len = DEFAULT_MAX_LEN
         if not _is_int(self.max_len) or self.max_len < 2:
             raise ValueError(f"max_len must be an integer >= 2, got {self.max_len!r}")
-        bb = self.batch_buckets
-        if not isinstance(bb, (list, tuple, set, frozenset, range)) or not bb \
-                or not all(_is_int(b) and b >= 1 for b in bb):
-            raise ValueError(f"batch_buckets must be a non-empty list of positive integers (padded batch sizes such "
-                             f"as [1, 2, 4, 8]), got {bb!r}")
-        self.batch_buckets = tuple(sorted(set(bb)))
+        self.batch_buckets = checked_buckets(self.batch_buckets)
         if self.enable_graph not in (None, True, False):
             raise ValueError(f"enable_graph must be True, False or None (on where the platform has graphs), "
                              f"got {self.enable_graph!r}")
@@ -155,6 +156,14 @@ class SpecGraphConfig:
             if b >= batch:
                 return b
         return batch
+
+
+def checked_buckets(bb) -> tuple[int, ...]:
+    if not isinstance(bb, (list, tuple, set, frozenset, range)) or not bb \
+            or not all(_is_int(b) and b >= 1 for b in bb):
+        raise ValueError(f"batch_buckets must be a non-empty list of positive integers (padded batch sizes such "
+                         f"as [1, 2, 4, 8]), got {bb!r}")
+    return tuple(sorted(set(bb)))
 
 
 def _is_int(v) -> bool:

@@ -54,7 +54,6 @@ import hashlib
 import io
 import json
 import logging
-import numbers
 import os
 import struct
 import sys
@@ -63,7 +62,6 @@ import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -72,6 +70,7 @@ from .backend import known_inductor_configs, lazy_operator_text
 from .config import SpecGraphConfig
 from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
 from .export_progress import _Progress
+from .prompts import is_int
 from .runtime import WRITEBACK, DecoderBase
 from .step import STATE_FIELDS
 
@@ -458,10 +457,6 @@ def read_metadata(path) -> dict:
     return meta
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 class ExportedRunner(DecoderBase):
     """``generate(...)`` as ``SpecDecoder``'s, over the AOTInductor artifacts of an export."""
 
@@ -493,31 +488,18 @@ class ExportedRunner(DecoderBase):
                 raise self._no_sampling()
         return super().generate(prompts, max_new_tokens, *args, **kwargs)
 
-    def _encode(self, prompts, max_new_tokens) -> list[list[int]]:
-        # The base check advises raising max_len (--max-len), which an export fixes: here the advice is to
-        # export again. Only prompts the base would accept otherwise are measured (its errors come first).
-        limit = self.metadata["max_len"]
-        if _is_int(max_new_tokens) and max_new_tokens >= 1 and isinstance(prompts, Sequence) \
-                and not isinstance(prompts, (str, bytes)):
-            for i, p in enumerate(prompts):
-                if isinstance(p, str) and self.tokenizer is not None:
-                    ids = self.tokenizer.encode(p).ids
-                elif isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and all(_is_int(t) for t in p):
-                    ids = [int(t) for t in p]
-                else:
-                    break
-                if not ids or any(not 0 <= t < self.vocab_size for t in ids):
-                    break
-                need = len(ids) + int(max_new_tokens)
-                if need > limit:
-                    msg = (f"prompt {i} has {len(ids)} tokens; with max_new_tokens={int(max_new_tokens)} it needs "
-                           f"{need} > max_len={limit}, which the export fixed: ")
-                    if self.window is not None and need > self.window:  # past what the models were trained on
-                        raise ValueError(msg + f"that is past the models' window ({self.window} positions): "
-                                               "shorten the prompt or lower max_new_tokens")
-                    raise ValueError(msg + f"export again with a larger --max-len (spec-graph export --max-len "
-                                           f"{need} or more), or shorten the prompt or lower max_new_tokens")
-        return super()._encode(prompts, max_new_tokens)
+    def _too_long(self, i: int, n: int, max_new_tokens: int) -> None:
+        # The base advises raising max_len (--max-len), which an export fixes: here, to export again.
+        if self.config.max_len < self.metadata["max_len"]:  # lowered on the runner: it may be raised back
+            return super()._too_long(i, n, max_new_tokens)
+        need = n + max_new_tokens
+        msg = f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {need} > max_len=" \
+              f"{self.config.max_len}, which the export fixed: "
+        if self.window is not None and need > self.window:  # past what the models were trained on
+            raise ValueError(msg + f"that is past the models' window ({self.window} positions): shorten the prompt "
+                                   "or lower max_new_tokens")
+        raise ValueError(msg + f"export again with a larger --max-len (spec-graph export --max-len {need} or "
+                               "more), or shorten the prompt or lower max_new_tokens")
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         kv = self.metadata["kv_cache"]
@@ -570,7 +552,7 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         raise ExportError(f"{path} was exported for device {built!r}, which this machine lacks ({e})") from None
     sizes = meta["batch_sizes"]
     S = sizes[-1] if max_batch_size is None else max_batch_size
-    if not _is_int(S) or S < 1:
+    if not is_int(S) or S < 1:
         raise ExportError(f"max_batch_size (--max-batch-size) must be a positive integer (request slots, at most "
                           f"{sizes[-1]} for this export), got {S!r}")
     if S > sizes[-1]:

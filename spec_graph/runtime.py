@@ -10,29 +10,29 @@ This module imports none of the model code.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
-import numbers
 import random
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from .adaptive import ChoiceAhead, KChooser
 from .admission import admits_now
 from .capture import GraphSet
-from .config import WINDOW_SOURCE, SpecGraphConfig, check_text, check_window
+from .config import CEILING_FIELDS, FIXED_FIELDS, WINDOW_SOURCE, SpecGraphConfig, check_window, checked_buckets
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
+from .prompts import MAX_STOP_IDS, check_max_new_tokens, is_int, prompt_ids, stop_ids
 from .results import GenerationOutput, GenerationResult, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
 from .step_times import StepTimes
 
-MAX_STOP_IDS = 64
+MIN_CEILING = {"max_batch_size": 1, "max_len": 2}  # the least of each field SpecGraphConfig takes
 # Prefills of at most this many positions (rows x padded length), each row at most PREFILL_GRAPH_LEN long, replay
 # a graph: short ones are bound by kernel launches on the host, long ones by the device. (On an H200, a B=8 call
 # of bench_adaptive.py admits 8 prompts of 128 positions at once: 84 ms per call run eagerly, 61 ms replayed.)
@@ -127,6 +127,9 @@ class DecoderBase(StepTimes):
         self.capture_report: dict[int, dict] = {}
         # generate() uses the one set of slots and buffers: concurrent calls run one after the other
         self._generate_lock = threading.Lock()
+        # the config fields the buffers, caches and steps above were built from (config.FIXED_FIELDS)
+        self._built = {f: copy.deepcopy(getattr(config, f)) for f in FIXED_FIELDS + CEILING_FIELDS}
+        self._graphs_for = (config.steps_per_graph, config.batch_buckets)
 
     def _new_prefill_graphs(self) -> None:
         # A pool of their own: a prefill graph's logits stay live in it while step graphs replay.
@@ -143,44 +146,23 @@ class DecoderBase(StepTimes):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ validation
-    def _encode(self, prompts, max_new_tokens: int) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt")
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("the target checkpoint has no tokenizer.json: pass prompts as token-id lists "
-                                     "(--prompt-ids on the command line)")
-                check_text(p, f"prompt {i}")
-                ids = self.tokenizer.encode(p).ids
-            elif isinstance(p, Sequence) and not isinstance(p, bytes) and all(_is_int(t) for t in p):
-                ids = [int(t) for t in p]
-            else:
-                raise ValueError(f"prompt {i} is neither a string nor a list of integer token ids")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-            if len(ids) + max_new_tokens > self.config.max_len and self.window is not None \
-                    and self.config.max_len <= self.window:  # (a max_len above the window was asked for)
-                check_window(len(ids), max_new_tokens, self.window, what=f"prompt {i}", source=self.window_source,
-                             fix="shorten the prompt or lower max_new_tokens (an explicit max_len above the window, "
-                                 "SpecGraphConfig.max_len / --max-len, runs past it with a warning)")
+    def _encode(self, prompts, max_new_tokens) -> list[list[int]]:
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        out = prompt_ids(prompts, self.tokenizer, self.vocab_size)
+        for i, ids in enumerate(out):
             if len(ids) + max_new_tokens > self.config.max_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(ids) + max_new_tokens} > max_len={self.config.max_len}: raise max_len in "
-                    "SpecGraphConfig (--max-len) or shorten the prompt"
-                )
-            out.append(ids)
+                self._too_long(i, len(ids), max_new_tokens)
         return out
+
+    def _too_long(self, i: int, n: int, max_new_tokens: int) -> None:
+        """Refuses prompt i, of n tokens, whose request is past max_len."""
+        if self.window is not None and self.config.max_len <= self.window:  # (a max_len above it was asked for)
+            check_window(n, max_new_tokens, self.window, what=f"prompt {i}", source=self.window_source,
+                         fix="shorten the prompt or lower max_new_tokens (an explicit max_len above the window, "
+                             "SpecGraphConfig.max_len / --max-len, runs past it with a warning)")
+        raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                         f"{n + max_new_tokens} > max_len={self.config.max_len}: raise max_len in SpecGraphConfig "
+                         "(--max-len) or shorten the prompt")
 
     # ------------------------------------------------------------------ prefill
     def _reads_live_only(self) -> bool:
@@ -381,9 +363,10 @@ class DecoderBase(StepTimes):
         The compiled step functions are kept, so re-capturing costs no compilation.
         """
         if steps_per_graph is not None:
-            if not _is_int(steps_per_graph) or steps_per_graph < 1:
+            if not is_int(steps_per_graph) or steps_per_graph < 1:
                 raise ValueError(f"steps_per_graph must be a positive integer, got {steps_per_graph!r}")
             self.config.steps_per_graph = steps_per_graph
+        self._graphs_for = (self.config.steps_per_graph, self.config.batch_buckets)
         if self.graphs is not None:
             self.graphs = GraphSet(self.platform)
         self._new_prefill_graphs()
@@ -416,42 +399,49 @@ class DecoderBase(StepTimes):
         naming it. Calls from several threads run one after the other (the slots and buffers are shared).
         ``progress(done_tokens, total_tokens)``, when given, is called after each prefill and step replay
         (``total_tokens`` is prompts x max_new_tokens; stop tokens may end a request earlier)."""
+        self._check_config()
         params = SamplingParams(temperature, top_p, top_k)
         encoded = self._encode(prompts, max_new_tokens)
         max_new_tokens = int(max_new_tokens)
-        stop_set = self._stop_set(stop_token_ids)
+        stop_set = stop_ids(stop_token_ids, self.eos_token_ids, self.vocab_size)
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
-        elif not _is_int(seed):
+        elif not is_int(seed):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         if progress is not None and not callable(progress):
             raise ValueError(f"progress must be a callable (done_tokens, total_tokens) or None, got {progress!r}")
         with self._generate_lock:
             return self._generate(encoded, max_new_tokens, params, int(seed), stop_set, progress)
 
-    def _stop_set(self, stop_token_ids) -> set[int]:
-        if stop_token_ids is None:
-            given = []
-        elif isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}"
-                             + (f": write [{stop_token_ids}]" if _is_int(stop_token_ids) else ""))
-        else:
-            given = list(stop_token_ids)
-        for t in given:
-            if not _is_int(t):
-                raise ValueError(f"stop token id {t!r} (stop_token_ids) is not an integer: pass token ids, such as "
-                                 f"[2, 13]")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop token id {t!r} (stop_token_ids) is out of range [0, {self.vocab_size})")
-        stop_set = set(self.eos_token_ids) | {int(t) for t in given}
-        if len(stop_set) > MAX_STOP_IDS:
-            raise ValueError(f"{len(stop_set)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
-        return stop_set
+    def _check_config(self) -> None:
+        """Config fields set on a built engine (config.FIXED_FIELDS): a change it cannot take is a ValueError; new
+        batch buckets or steps_per_graph are taken, with the graphs captured again for them."""
+        cfg = self.config
+        for f, was in self._built.items():
+            now = getattr(cfg, f)
+            if now == was or f in CEILING_FIELDS and is_int(now) and MIN_CEILING[f] <= now <= was:
+                continue
+            room = f"; values from {MIN_CEILING[f]} up to {was} run on it" if f in CEILING_FIELDS else ""
+            raise ValueError(f"{f} was set to {now!r} on a built engine, which was built with {was!r}{room}: its "
+                             f"buffers, caches and steps were made for that, so build a new engine for this value "
+                             f"(SpecGraphConfig({f}=...))")
+        cfg.batch_buckets = checked_buckets(cfg.batch_buckets)
+        if cfg.bucket_for(cfg.max_batch_size) > self.rows:
+            raise ValueError(f"batch_buckets {list(cfg.batch_buckets)} pads a batch of max_batch_size="
+                             f"{cfg.max_batch_size} past the engine's {self.rows} rows: give a bucket of at most "
+                             f"{self.rows} that holds it, or build a new engine")
+        if not is_int(cfg.steps_per_graph) or cfg.steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph must be a positive integer, got {cfg.steps_per_graph!r}")
 
     def _generate(self, encoded: list[list[int]], max_new_tokens: int, params: SamplingParams, seed: int,
                   stop_set: set[int], progress) -> GenerationOutput:
+        if (self.config.steps_per_graph, self.config.batch_buckets) != self._graphs_for:
+            self.reset_graphs(self.config.steps_per_graph)  # set on the engine since: its graphs follow
         wait = self.config.slot_steps_waited  # checked first: it may have been set after construction
         t0 = time.perf_counter()
+        # A call cut short (an exception from progress, KeyboardInterrupt) left its rows active: no row is
+        # anyone's now, and a capture below runs only while none is active.
+        self.state["active"].zero_()
         self.stop_buf.fill_(PLACEHOLDER)
         self.stop_buf[: len(stop_set)] = torch.tensor(sorted(stop_set), dtype=torch.long)
         self._capture(params.greedy, len(encoded))
@@ -592,8 +582,3 @@ def request_seed(seed: int, i: int) -> int:
     raw = seed.to_bytes(seed.bit_length() // 8 + 1, "little", signed=True) + i.to_bytes(8, "little")
     digest = hashlib.blake2b(raw, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _is_int(v) -> bool:
-    """An integer that is not a bool (numpy integers included)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

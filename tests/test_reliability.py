@@ -3,6 +3,7 @@
 Each correctness check is paired with the case it must reject (a request past the window, a broken
 sampler, a fabricated token). Concurrency and the fuzzed argument space: tests/test_fuzz.py.
 """
+import dataclasses
 import json
 import logging
 import math
@@ -169,6 +170,81 @@ def test_edge_arguments_are_accepted(dec):
     assert all(len(r.token_ids) == 3 or r.finish_reason == "stop" for r in out)
     out = dec.generate([[1, 2]], 3, temperature=0, top_p=1e-9, seed=np.int64(7), stop_token_ids=[])
     assert len(out[0].token_ids) == 3 or out[0].finish_reason == "stop"
+
+
+def test_prompts_as_tensors_and_arrays(dec):
+    """1-D tensors or arrays of ids are prompts, and a 2-D one is a batch of them (what HF's generate takes); a
+    float tensor, or a 2-D one in the list, is refused naming the prompt."""
+    want = [r.token_ids for r in dec.generate([[1, 2], [3, 4]], 3)]
+    assert [r.token_ids for r in dec.generate([torch.tensor([1, 2]), np.array([3, 4])], 3)] == want
+    assert [r.token_ids for r in dec.generate(torch.tensor([[1, 2], [3, 4]]), 3)] == want
+    assert [r.token_ids for r in dec.generate(np.array([[1, 2], [3, 4]]), 3, stop_token_ids=np.array([5]))] == \
+        [r.token_ids for r in dec.generate([[1, 2], [3, 4]], 3, stop_token_ids=[5])]
+    with pytest.raises(ValueError, match=r"prompt 1 is neither a string nor a list \(or 1-D tensor\) of integer"):
+        dec.generate([[1, 2], torch.tensor([3.0, 4.0])], 3)
+    with pytest.raises(ValueError, match="prompt 0 .*: it has 2 dimensions"):
+        dec.generate([torch.tensor([[1, 2]])], 3)
+
+
+def test_an_interrupted_call_leaves_no_row_busy(dec):
+    """A call cut short (here an exception from progress, as Ctrl-C would) leaves rows marked active. The next
+    call must not step them: they are no request's, and under "auto" their counts would reach its chooser. The
+    control: the stale row is stepped by a call whose bucket covers it unless the call clears it."""
+    calls = []
+
+    def stop_after_a_step(done, total):
+        calls.append(done)
+        if len(calls) == 2:  # after the prefill and one step
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate(PROMPTS, 40, progress=stop_after_a_step)  # rows 0-3 busy, 40 tokens to go
+    steps = dec.state["steps"][3].item()
+    out = dec.generate(PROMPTS[:3], 6)  # rows 0-2: bucket 4 spans row 3
+    assert dec.state["steps"][3].item() == steps and not dec.state["active"].any()
+    assert [r.token_ids for r in out] == [r.token_ids for r in dec.generate(PROMPTS[:3], 6)]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("max_batch_size", 16, "max_batch_size was set to 16 on a built engine, which was built with 8; values from 1 "
+                           "up to 8 run on it"),
+    ("max_len", 128, "max_len was set to 128 on a built engine, which was built with 64"),
+    ("max_len", 1, "max_len was set to 1"),
+    ("num_speculative_tokens", 2, "num_speculative_tokens was set to 2 .*SpecGraphConfig\\(num_speculative_tokens"),
+    ("verification", "block", "verification was set to 'block'"),
+    ("steps_per_graph", 0, "steps_per_graph must be a positive integer, got 0"),
+    ("batch_buckets", (1, 16), r"batch_buckets \[1, 16\] pads a batch of max_batch_size=8 past the engine's 8 rows"),
+    ("batch_buckets", (), "batch_buckets must be a non-empty list"),
+])
+def test_config_changed_on_a_built_engine(dec, field, value, needle):
+    """A field set on a built engine that it cannot take is a ValueError naming it, before anything runs (a
+    raised max_batch_size or max_len was an IndexError from inside torch; steps_per_graph=0 looped for ever)."""
+    was = getattr(dec.config, field)
+    setattr(dec.config, field, value)
+    try:
+        with pytest.raises(ValueError, match=needle):
+            dec.generate([[1, 2]], 3)
+    finally:
+        setattr(dec.config, field, was)
+    assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3
+
+
+def test_config_changes_a_built_engine_takes(dec):
+    """The control of the refusals: fewer slots, a shorter max_len, other buckets and another steps_per_graph run
+    (the graphs follow the last two) and decode the same tokens."""
+    want = [r.token_ids for r in dec.generate(PROMPTS, 8)]
+    cfg, was = dec.config, dataclasses.replace(dec.config)
+    try:
+        cfg.max_batch_size, cfg.steps_per_graph, cfg.batch_buckets = 2, 3, [2, 1]
+        assert [r.token_ids for r in dec.generate(PROMPTS, 8)] == want
+        assert cfg.batch_buckets == (1, 2)
+        cfg.max_len = 20
+        with pytest.raises(ValueError, match="max_len=20"):
+            dec.generate(PROMPTS, 10)
+    finally:
+        for f in ("max_batch_size", "steps_per_graph", "batch_buckets", "max_len"):
+            setattr(cfg, f, getattr(was, f))
+    assert [r.token_ids for r in dec.generate(PROMPTS, 8)] == want
 
 
 @pytest.mark.parametrize("a, b", [(0, 2 ** 63), (-1, 2 ** 64 - 1), (5, 5 + 2 ** 64)])
