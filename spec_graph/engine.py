@@ -18,7 +18,7 @@ from .adaptive import count_acceptance
 from .backend import backend_compile
 from .config import SpecGraphConfig, beyond_window_warning, check_device, kv_fit
 from .models import load_model, parse_dtype, read_config
-from .models.config import pair_window, window_source
+from .models.config import eos_token_ids, pair_window, window_source
 from .models.llama import kv_cache_bytes
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
 from .results import GenerationOutput, GenerationResult, GenerationStats  # noqa: F401
@@ -62,10 +62,13 @@ def _eos_ids(path: str, args) -> set[int]:
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            eos = None
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            cfg = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{gen} must hold a JSON object (such as {{\"eos_token_id\": 2}}), got "
+                             f"{type(cfg).__name__}")
+        ids.update(eos_token_ids(cfg.get("eos_token_id"), str(gen)))
     return {int(i) for i in ids}
 
 

@@ -110,6 +110,85 @@ def test_error_unsupported_architecture(tmp_path):
         load_model(path)
 
 
+HF_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+              "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}
+_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=128)
+
+
+def _hf_windows(arch, fields):
+    """Per layer, the sliding window transformers' own config class gives (0: full attention)."""
+    import transformers
+
+    c = getattr(transformers, HF_CLASSES[arch])(**fields)
+    sw = getattr(c, "sliding_window", None) or 0
+    types = getattr(c, "layer_types", None)
+    if arch == "MistralForCausalLM" or not types:
+        return c, tuple(sw if arch == "MistralForCausalLM" else 0 for _ in range(c.num_hidden_layers))
+    return c, tuple(sw if t == "sliding_attention" else 0 for t in types)
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("LlamaForCausalLM", {}),
+    ("MistralForCausalLM", {}),  # no sliding_window: Hugging Face's 4096, not full attention
+    ("MistralForCausalLM", dict(sliding_window=None)),
+    ("MistralForCausalLM", dict(sliding_window=9)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True)),  # window 4096 on layers from max_window_layers=28 up
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=None)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=3)),
+    ("Qwen2ForCausalLM", {}),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True)),
+])
+def test_fields_left_out_default_as_hugging_face_does(arch, extra):
+    """A field config.json leaves out means what transformers' config class of that architecture assumes: the
+    window (max_position_embeddings) and the sliding windows per layer. (A Mistral config without
+    sliding_window read as full attention gave other tokens than HF's past 4096 positions.)"""
+    from spec_graph.models.config import ModelArgs
+
+    fields = dict(_SMALL, num_hidden_layers=30, **extra)
+    hf, windows = _hf_windows(arch, fields)
+    args = ModelArgs.from_hf_config(dict(fields, architectures=[arch]))
+    assert args.sliding_windows == windows
+    assert args.max_position_embeddings == hf.max_position_embeddings
+
+
+@pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                             ("mistral", "MistralForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_architecture_from_model_type(model_type, arch):
+    """Without 'architectures' the model_type names the model, as for transformers' Auto classes; with neither,
+    the error names both fields."""
+    from spec_graph.models.config import ModelArgs, UnsupportedModelError
+
+    fields = dict(_SMALL, num_hidden_layers=2)
+    assert ModelArgs.from_hf_config(dict(fields, model_type=model_type)).architecture == arch
+    with pytest.raises(UnsupportedModelError, match="no 'architectures' field and its 'model_type' is 'gpt2'"):
+        ModelArgs.from_hf_config(dict(fields, model_type="gpt2"))
+    with pytest.raises(UnsupportedModelError, match="names no architecture"):
+        ModelArgs.from_hf_config(fields)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"eos_token_id": "</s>"}', "'eos_token_id' must be a token id or a list of token ids, got '</s>'"),
+    ('{"eos_token_id": [1, null]}', "got \\[1, None\\]"),
+    ('{"eos_token_id": 2.7}', "got 2.7"),
+    ('{"eos_token_id": true}', "got True"),
+    ('{"eos_token_id": -1}', "got -1"),
+    ("[1, 2]", "must hold a JSON object"),
+    ("{not json", "is not valid JSON"),
+])
+def test_malformed_generation_config_is_named(tmp_path, text, needle):
+    """generation_config.json's EOS ids end requests: a malformed one is a ValueError naming the file, not a
+    TypeError from inside the loader or an id silently dropped (true read as 1, 2.7 as 2)."""
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    path = make_checkpoint(tmp_path / "m")
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match="generation_config.json") as e:
+        SpecDecoder.from_pretrained(path, path, SpecGraphConfig(max_len=32))
+    assert e.match(needle)
+    (path / "generation_config.json").write_text('{"eos_token_id": [3, 4]}')  # the control
+    assert {3, 4} <= set(SpecDecoder.from_pretrained(path, path, SpecGraphConfig(max_len=32)).eos_token_ids)
+
+
 @pytest.mark.parametrize("act, ok", [("silu", True), ("swish", True), (None, True), ("gelu", False),
                                      ("gelu_pytorch_tanh", False), ("relu", False)])
 def test_only_the_silu_mlp_is_accepted(tmp_path, act, ok):

@@ -25,6 +25,17 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # What Hugging Face's Llama config assumes when config.json states no max_position_embeddings.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+# What each architecture's Hugging Face config class assumes for the fields config.json leaves out (a field
+# given as null is null: no sliding window).
+HF_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": DEFAULT_MAX_POSITION_EMBEDDINGS},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+}
+# The architecture a config.json without 'architectures' has, by its model_type (as transformers' Auto classes)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -72,12 +83,22 @@ class ModelArgs:
         if not isinstance(archs, list):
             raise ValueError(f"{where}: field 'architectures' must be a list of class names such as "
                              f"[\"LlamaForCausalLM\"], got {archs!r}")
-        arch = archs[0] if archs else None
+        model_type = cfg.get("model_type")
+        if archs:
+            arch = archs[0]
+        elif isinstance(model_type, str) and model_type in MODEL_TYPES:
+            arch = MODEL_TYPES[model_type]
+        else:
+            raise UnsupportedModelError(
+                f"{where} names no architecture: it has no 'architectures' field and its 'model_type' is "
+                f"{model_type!r}; spec-graph supports {', '.join(SUPPORTED_ARCHITECTURES)} (model_type "
+                f"{', '.join(map(repr, MODEL_TYPES))})")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch!r} in {where}; spec-graph supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        defaults = HF_DEFAULTS[arch]
         act = cfg.get("hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"{where}: field 'hidden_act' is {act!r}; spec-graph's MLP computes "
@@ -97,7 +118,7 @@ class ModelArgs:
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: field 'head_dim' (or hidden_size / num_attention_heads) must be an even "
                              f"integer >= 2 for rotary embeddings, got {head_dim}")
-        window = get_int("max_position_embeddings", default=DEFAULT_MAX_POSITION_EMBEDDINGS)
+        window = get_int("max_position_embeddings", default=defaults["max_position_embeddings"])
 
         theta, rope_scaling = _rope(cfg, where)
 
@@ -109,13 +130,14 @@ class ModelArgs:
         elif arch == "MistralForCausalLM":
             qkv_bias = o_bias = False
 
-        sliding = get_int("sliding_window", default=0, minimum=0)
+        sliding = get_int("sliding_window", default=0, minimum=0) if "sliding_window" in cfg \
+            else defaults.get("sliding_window", 0)
         if arch == "MistralForCausalLM":
             windows = tuple(sliding for _ in range(layers))
         elif cfg.get("use_sliding_window") and sliding:
             types = cfg.get("layer_types")
             if not types:
-                mwl = get_int("max_window_layers", default=layers, minimum=0)
+                mwl = get_int("max_window_layers", default=defaults.get("max_window_layers", layers), minimum=0)
                 types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
             elif not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
                 raise ValueError(f"{where}: field 'layer_types' must list one attention type per layer "
@@ -124,10 +146,7 @@ class ModelArgs:
         else:
             windows = tuple(0 for _ in range(layers))
 
-        eos = cfg.get("eos_token_id")
-        eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(_is_int(e) and e >= 0 for e in eos_list):
-            raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
+        eos_list = eos_token_ids(cfg.get("eos_token_id"), where)
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -147,12 +166,20 @@ class ModelArgs:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=windows,
             max_position_embeddings=window,
-            eos_token_ids=tuple(int(e) for e in eos_list),
+            eos_token_ids=tuple(eos_list),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         )
 
 
 # ---------------------------------------------------------------- field readers
+def eos_token_ids(eos, where: str) -> list[int]:
+    """An 'eos_token_id' field (of config.json or generation_config.json): a token id, a list of them, or null."""
+    eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(_is_int(e) and e >= 0 for e in eos_list):
+        raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
+    return [int(e) for e in eos_list]
+
+
 def _is_int(v) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
