@@ -19,8 +19,8 @@ not yet admitted and ``E_r`` from row r's own rates. While requests wait the
 first term rules (every committed token is throughput: argmax E(K) / t(K));
 once the queue is empty the slowest row does, and drafts that only finish
 the fast rows sooner are not paid for. It picks ``argmin_K steps(K) t(K)``
-(the smaller K on a tie); with EXPLORE_MARGIN set (off by default), once in a
-while a larger K priced within it whose first deeper position it has not seen. Counts
+(the smaller K on a tie), or, with one busy row, once in a while a larger K priced
+within EXPLORE_MARGIN of it whose first deeper position it has not seen. Counts
 come from the device in the one read the engine makes per replay anyway, so
 choosing costs no host sync; and the engine chooses while the replay before
 runs (``ChoiceAhead``), so the choice costs the replays no time either.
@@ -56,11 +56,12 @@ ROW_PRIOR_WEIGHT = 8.0
 # A larger K whose priced cost is within EXPLORE_MARGIN of the best, and whose first position above the best K
 # has faded below EXPLORE_SEEN (decayed) row-steps, is taken for one replay: the prior of an unseen deep position
 # is a guess, and only a step that reaches it can correct it. While the larger K stays within the margin this
-# recurs as the position fades again (about every 9 replays of one row; at most 2% dearer each). 0: never. Off:
-# priced with the H100's step times (sim_adaptive.py, RESULTS.md 2026-12-05) 0.02 lost 3-4% of the best fixed K
-# on (ii) greedy and (i) sampled at B=8 and (i) greedy at B=1, and gained nowhere by as much; only on a flat
-# acceptance near 1 (the unit test) does a K whose deep positions went unseen stay below the best (K=6 for 8).
-EXPLORE_MARGIN = 0.0
+# recurs as the position fades again (about every 9 replays of one row; at most 2% dearer each). 0: never.
+# Only at up to EXPLORE_ROWS busy rows: priced with the H100's step times (sim_adaptive.py, RESULTS.md 2026-12-05)
+# it lost 3-4% of the best fixed K at B=8 ((ii) greedy, (i) sampled), where a try costs every row's step, and at
+# one row took greedy (i) from 0.941x to 0.983x.
+EXPLORE_MARGIN = 0.02
+EXPLORE_ROWS = 1  # busy rows up to which it tries
 EXPLORE_SEEN = 0.25
 
 
@@ -218,7 +219,7 @@ class KChooser:
         for k, cost in costs.items():
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = k, cost
-        if best < self.kmax and self.reached[best] < EXPLORE_SEEN:
+        if best < self.kmax and self.reached[best] < EXPLORE_SEEN and len(remaining or ()) <= EXPLORE_ROWS:
             wider = [k for k in costs if k > best and costs[k] <= best_cost * (1 + EXPLORE_MARGIN)]
             if wider:
                 return min(wider)

@@ -93,14 +93,14 @@ def test_chooser_follows_acceptance_and_time(cls, right):
     assert (picks == [8, 1]) == right, picks
 
 
-@pytest.mark.parametrize("margin, deepest", [(0.02, 8), (adaptive_mod.EXPLORE_MARGIN, 6)])
+@pytest.mark.parametrize("margin, deepest", [(adaptive_mod.EXPLORE_MARGIN, 8), (0.0, 6)])
 def test_chooser_tries_a_deep_position_it_has_not_seen(monkeypatch, margin, deepest):
     """A position K stayed below leans on the one before it times PRIOR_SHRINK (< 1: deep drafts fare worse than
     shallow ones on real text), so on flat 0.97 acceptance K=8 looks no better than K=6 until a step reaches
     positions 7 and 8. A larger K priced within EXPLORE_MARGIN of the best is tried where its first deep
-    position is unseen; seen at 0.97, K=8 stays. The control: with no margin (the default) the chooser stays at
-    K=6, the cost of leaving it off."""
-    assert adaptive_mod.PRIOR_SHRINK < 1 and adaptive_mod.EXPLORE_MARGIN == 0
+    position is unseen (at one busy row); seen at 0.97, K=8 stays. The control: with no margin the chooser stays
+    at K=6. Over 2 busy rows (past EXPLORE_ROWS) it does not try."""
+    assert adaptive_mod.PRIOR_SHRINK < 1 and adaptive_mod.EXPLORE_MARGIN > 0 and adaptive_mod.EXPLORE_ROWS == 1
     monkeypatch.setattr(adaptive_mod, "EXPLORE_MARGIN", margin)
     times = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 6: 2.0, 8: 2.4}
     c = KChooser((1, 2, 3, 4, 6, 8))
@@ -110,6 +110,12 @@ def test_chooser_tries_a_deep_position_it_has_not_seen(monkeypatch, margin, deep
         k = c.choose(times)
         ks.append(k)
     assert max(ks) == deepest and ks[-3:] == [deepest] * 3, ks
+    c, k, ks = KChooser((1, 2, 3, 4, 6, 8)), 1, []
+    for _ in range(12):  # two busy rows, far from done: no try
+        _feed(c, [0.97], k, 64)
+        k = c.choose(times, {0: 10_000, 1: 10_000})
+        ks.append(k)
+    assert max(ks) == 6, ks
 
 
 def test_chooser_moves_within_a_few_replays_and_deep_positions_follow_the_first():
@@ -557,15 +563,15 @@ def test_long_steps_are_timed_fewer_times(llama_pair, monkeypatch, budget, runs_
 
 def test_host_time_moves_the_choice(llama_pair):
     """A host cost per replay favours more drafts per replay: with these step times and the estimate the engine
-    starts from (0.6 per position, 0.9x the one before past it), K=1 is best without it and K=3 with 10 s of host
-    work per replay."""
+    starts from (0.6 per position, 0.9x the one before past it), K=1 is best without it and K=4 with 10 s of host
+    work per replay (K=3 priced best, K=4 within EXPLORE_MARGIN and unseen)."""
     dec = _engine(llama_pair)
     times = dec._times_for(True, 1, 10.0)
     assert KChooser((1, 2, 3, 4)).choose(times) == 1
     dec.host_times[(True, 1)] = 10.0
     times = dec._times_for(True, 1, 10.0)
     assert times == {k: TIMES[k] * (1 + 1 / 8) + 10.0 for k in TIMES}
-    assert KChooser((1, 2, 3, 4)).choose(times) == 3
+    assert KChooser((1, 2, 3, 4)).choose(times) == 4
 
 
 def test_auto_sampling_repeats_under_a_seed(llama_pair):
