@@ -1,6 +1,7 @@
 """SpecGraphConfig: everything that shapes the engine's static graphs."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -16,6 +17,7 @@ DEVICES = ("cuda", "npu", "cpu")
 FIXED_FIELDS = ("num_speculative_tokens", "max_speculative_tokens", "dtype", "device", "enable_graph", "passes",
                 "verification")
 CEILING_FIELDS = ("max_batch_size", "max_len")
+CEILING_MIN = {"max_batch_size": 1, "max_len": 2}  # the least value of each that an engine takes
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 VERIFICATIONS = ("token", "block")
 CACHE_ALIGN = 16  # cache positions: rows of attention scores stay 32-byte aligned for the matmul kernels
@@ -83,23 +85,26 @@ class SpecGraphConfig:
         k = self.num_speculative_tokens
         if isinstance(k, str) and k.strip().lower() == AUTO:
             self.num_speculative_tokens = AUTO
-        elif not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        elif not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or \"auto\", got {k!r}"
             )
         m = self.max_speculative_tokens
-        if not _is_int(m) or not 1 <= m <= MAX_SPECULATIVE_TOKENS:
+        if not is_int(m) or not 1 <= m <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"max_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {m!r}"
             )
-        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+        for f in ("num_speculative_tokens", "max_speculative_tokens", "max_batch_size", "max_len"):
+            if is_int(getattr(self, f)):  # numpy integers are stored as ints
+                setattr(self, f, int(getattr(self, f)))
+        if not is_int(self.max_batch_size) or self.max_batch_size < CEILING_MIN["max_batch_size"]:
             raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")
         # max_len_given: whether the caller chose max_len (the engine lowers only the default to the window)
         self.max_len_given = self.max_len is not None
         if self.max_len is None:
             self.max_len = DEFAULT_MAX_LEN
-        if not _is_int(self.max_len) or self.max_len < 2:
-            raise ValueError(f"max_len must be an integer >= 2, got {self.max_len!r}")
+        if not is_int(self.max_len) or self.max_len < CEILING_MIN["max_len"]:
+            raise ValueError(f"max_len must be an integer >= {CEILING_MIN['max_len']}, got {self.max_len!r}")
         self.batch_buckets = checked_buckets(self.batch_buckets)
         if self.enable_graph not in (None, True, False):
             raise ValueError(f"enable_graph must be True, False or None (on where the platform has graphs), "
@@ -108,8 +113,7 @@ class SpecGraphConfig:
             from .passes.manager import check_enabled
 
             check_enabled(self.passes)
-        if not _is_int(self.steps_per_graph) or self.steps_per_graph < 1:
-            raise ValueError(f"steps_per_graph must be a positive integer, got {self.steps_per_graph!r}")
+        self.steps_per_graph = checked_steps_per_graph(self.steps_per_graph)
         self.slot_steps_waited  # noqa: B018 - checks admission_wait
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
@@ -136,10 +140,10 @@ class SpecGraphConfig:
         """admission_wait, None resolved and checked (it may be set after construction): the slot-steps freed slots
         may wait to share a prefill."""
         w = self.admission_wait
-        if w is not None and (not _is_int(w) or w < 0):
+        if w is not None and (not is_int(w) or w < 0):
             raise ValueError(f"admission_wait must be a non-negative integer (slot-steps; 0 admits queued requests at "
                              f"once) or None (max_batch_size), got {w!r}")
-        return self.max_batch_size if w is None else w
+        return self.max_batch_size if w is None else int(w)
 
     @property
     def max_k(self) -> int:
@@ -160,14 +164,21 @@ class SpecGraphConfig:
 
 def checked_buckets(bb) -> tuple[int, ...]:
     if not isinstance(bb, (list, tuple, set, frozenset, range)) or not bb \
-            or not all(_is_int(b) and b >= 1 for b in bb):
+            or not all(is_int(b) and b >= 1 for b in bb):
         raise ValueError(f"batch_buckets must be a non-empty list of positive integers (padded batch sizes such "
                          f"as [1, 2, 4, 8]), got {bb!r}")
-    return tuple(sorted(set(bb)))
+    return tuple(sorted({int(b) for b in bb}))
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def checked_steps_per_graph(n) -> int:
+    if not is_int(n) or n < 1:
+        raise ValueError(f"steps_per_graph must be a positive integer, got {n!r}")
+    return int(n)
+
+
+def is_int(v) -> bool:
+    """An integer that is not a bool (numpy integers included)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_device(device) -> None:

@@ -67,10 +67,9 @@ import torch
 
 from . import __version__, platform
 from .backend import known_inductor_configs, lazy_operator_text
-from .config import SpecGraphConfig
+from .config import SpecGraphConfig, is_int
 from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
 from .export_progress import _Progress
-from .prompts import is_int
 from .runtime import WRITEBACK, DecoderBase
 from .step import STATE_FIELDS
 

@@ -4,17 +4,11 @@ Each bad value is a ValueError that names the argument (and the prompt's index) 
 """
 from __future__ import annotations
 
-import numbers
 from typing import Sequence
 
-from .config import check_text
+from .config import check_text, is_int
 
 MAX_STOP_IDS = 64
-
-
-def is_int(v) -> bool:
-    """An integer that is not a bool (numpy integers included)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _array(v, ndim: int | None = None) -> bool:

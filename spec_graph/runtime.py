@@ -24,15 +24,15 @@ import torch
 from .adaptive import ChoiceAhead, KChooser
 from .admission import admits_now
 from .capture import GraphSet
-from .config import CEILING_FIELDS, FIXED_FIELDS, WINDOW_SOURCE, SpecGraphConfig, check_window, checked_buckets
+from .config import (CEILING_FIELDS, CEILING_MIN, FIXED_FIELDS, WINDOW_SOURCE, SpecGraphConfig, check_window,
+                     checked_buckets, checked_steps_per_graph, is_int)
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
-from .prompts import MAX_STOP_IDS, check_max_new_tokens, is_int, prompt_ids, stop_ids
+from .prompts import MAX_STOP_IDS, check_max_new_tokens, prompt_ids, stop_ids
 from .results import GenerationOutput, GenerationResult, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .step import STATE_FIELDS
 from .step_times import StepTimes
 
-MIN_CEILING = {"max_batch_size": 1, "max_len": 2}  # the least of each field SpecGraphConfig takes
 # Prefills of at most this many positions (rows x padded length), each row at most PREFILL_GRAPH_LEN long, replay
 # a graph: short ones are bound by kernel launches on the host, long ones by the device. (On an H200, a B=8 call
 # of bench_adaptive.py admits 8 prompts of 128 positions at once: 84 ms per call run eagerly, 61 ms replayed.)
@@ -363,9 +363,7 @@ class DecoderBase(StepTimes):
         The compiled step functions are kept, so re-capturing costs no compilation.
         """
         if steps_per_graph is not None:
-            if not is_int(steps_per_graph) or steps_per_graph < 1:
-                raise ValueError(f"steps_per_graph must be a positive integer, got {steps_per_graph!r}")
-            self.config.steps_per_graph = steps_per_graph
+            self.config.steps_per_graph = checked_steps_per_graph(steps_per_graph)
         self._graphs_for = (self.config.steps_per_graph, self.config.batch_buckets)
         if self.graphs is not None:
             self.graphs = GraphSet(self.platform)
@@ -419,9 +417,9 @@ class DecoderBase(StepTimes):
         cfg = self.config
         for f, was in self._built.items():
             now = getattr(cfg, f)
-            if now == was or f in CEILING_FIELDS and is_int(now) and MIN_CEILING[f] <= now <= was:
+            if now == was or f in CEILING_FIELDS and is_int(now) and CEILING_MIN[f] <= now <= was:
                 continue
-            room = f"; values from {MIN_CEILING[f]} up to {was} run on it" if f in CEILING_FIELDS else ""
+            room = f"; values from {CEILING_MIN[f]} up to {was} run on it" if f in CEILING_FIELDS else ""
             raise ValueError(f"{f} was set to {now!r} on a built engine, which was built with {was!r}{room}: its "
                              f"buffers, caches and steps were made for that, so build a new engine for this value "
                              f"(SpecGraphConfig({f}=...))")
@@ -430,8 +428,7 @@ class DecoderBase(StepTimes):
             raise ValueError(f"batch_buckets {list(cfg.batch_buckets)} pads a batch of max_batch_size="
                              f"{cfg.max_batch_size} past the engine's {self.rows} rows: give a bucket of at most "
                              f"{self.rows} that holds it, or build a new engine")
-        if not is_int(cfg.steps_per_graph) or cfg.steps_per_graph < 1:
-            raise ValueError(f"steps_per_graph must be a positive integer, got {cfg.steps_per_graph!r}")
+        cfg.steps_per_graph = checked_steps_per_graph(cfg.steps_per_graph)
 
     def _generate(self, encoded: list[list[int]], max_new_tokens: int, params: SamplingParams, seed: int,
                   stop_set: set[int], progress) -> GenerationOutput:

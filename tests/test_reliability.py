@@ -268,6 +268,28 @@ def test_bad_config_is_a_value_error(kw):
         SpecGraphConfig(**kw)
 
 
+def test_numpy_integers_are_config_integers(dec):
+    """Integer fields take numpy integers, as prompts and seeds do, and store them as ints; a numpy float or bool
+    is still refused (the control)."""
+    i = np.int64
+    cfg = SpecGraphConfig(num_speculative_tokens=i(3), max_speculative_tokens=np.int32(4), max_batch_size=i(2),
+                          max_len=i(64), batch_buckets=[i(2), i(1)], steps_per_graph=i(2), admission_wait=i(0))
+    got = [cfg.num_speculative_tokens, cfg.max_speculative_tokens, cfg.max_batch_size, cfg.max_len,
+           *cfg.batch_buckets, cfg.steps_per_graph, cfg.slot_steps_waited]
+    assert got == [3, 4, 2, 64, 1, 2, 2, 0] and all(type(v) is int for v in got)
+    for bad in (dict(max_len=np.float64(64)), dict(steps_per_graph=np.bool_(True)), dict(max_batch_size=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpecGraphConfig(**bad)
+    want = [r.token_ids for r in dec.generate(PROMPTS, 6)]
+    was = dataclasses.replace(dec.config)
+    try:  # set on a built engine: taken at the next call
+        dec.config.steps_per_graph, dec.config.max_batch_size = i(2), i(4)
+        assert [r.token_ids for r in dec.generate(PROMPTS, 6)] == want
+        assert type(dec.config.steps_per_graph) is int
+    finally:
+        dec.config.steps_per_graph, dec.config.max_batch_size = was.steps_per_graph, was.max_batch_size
+
+
 @pytest.mark.parametrize("field,value", [("max_batch_size", 0), ("steps_per_graph", 0), ("num_speculative_tokens", 0),
                                          ("max_len", "x"), ("verification", "nope"), ("batch_buckets", ())])
 def test_config_fields_set_after_construction_are_checked(llama_pair, field, value):

@@ -175,12 +175,13 @@ class ModelArgs:
 def eos_token_ids(eos, where: str) -> list[int]:
     """An 'eos_token_id' field (of config.json or generation_config.json): a token id, a list of them, or null."""
     eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not all(_is_int(e) and e >= 0 for e in eos_list):
+    if not all(_json_int(e) and e >= 0 for e in eos_list):
         raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
     return [int(e) for e in eos_list]
 
 
-def _is_int(v) -> bool:
+def _json_int(v) -> bool:
+    """An integer as JSON writes it: 2048 or 2048.0 (a bool is not one)."""
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
 
@@ -193,7 +194,7 @@ def _int_field(cfg: dict, name: str, where: str, default: int | None = None, min
         if name in cfg:
             raise ValueError(f"{where}: field {name!r} is null; it must be an integer >= {minimum}")
         raise ValueError(f"{where} lacks the required field {name!r}")
-    if not _is_int(v) or int(v) < minimum:
+    if not _json_int(v) or int(v) < minimum:
         raise ValueError(f"{where}: field {name!r} must be an integer >= {minimum}, got {v!r}")
     return int(v)
 

@@ -21,6 +21,8 @@ import difflib
 import logging
 from dataclasses import dataclass
 
+from ..config import is_int
+
 log = logging.getLogger("spec_graph")
 
 FLAG = "enable_spec_graph"
@@ -33,10 +35,6 @@ class PluginSettings:
     enabled: bool = False
     batch_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
     steps_per_graph: int = 1
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def parse(additional_config) -> PluginSettings:
@@ -65,13 +63,13 @@ def parse(additional_config) -> PluginSettings:
     buckets = section.get("batch_buckets")
     if buckets is not None:
         if (not isinstance(buckets, (list, tuple)) or not buckets
-                or not all(_is_int(b) and b > 0 for b in buckets)):
+                or not all(is_int(b) and b > 0 for b in buckets)):
             raise ValueError(f"additional_config[{SECTION!r}]['batch_buckets'] must be a non-empty list of "
                              f"positive ints, got {buckets!r}")
-        buckets = tuple(sorted(set(buckets)))
+        buckets = tuple(sorted({int(b) for b in buckets}))
     steps = section.get("steps_per_graph")
     steps = 1 if steps is None else steps
-    if not _is_int(steps) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"additional_config[{SECTION!r}]['steps_per_graph'] must be a positive int, got {steps!r}")
     if steps != 1:
         raise ValueError(
@@ -79,7 +77,7 @@ def parse(additional_config) -> PluginSettings:
             f"calls the drafter once per step and runs the target verify and rejection sampling itself between "
             f"calls, so one draft graph cannot cover several steps (steps_per_graph > 1 is for spec-graph's own "
             f"engine, SpecGraphConfig)")
-    return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=steps)
+    return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=int(steps))
 
 
 _warned_ignored: set[str] = set()  # sections already warned about (parse runs several times per engine)
