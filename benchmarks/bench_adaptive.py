@@ -66,8 +66,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_default_pair import load_corpus, make_prompts  # noqa: E402
 
-from bench_util import report_head  # noqa: E402
+from bench_util import report_head, settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
 from spec_graph.adaptive import DECAY  # noqa: E402
@@ -119,13 +120,15 @@ def build(k, verification: str, B: int, a) -> SpecDecoder:
 
 
 @contextlib.contextmanager
-def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0, rows: bool = True):
+def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: float = 0.0, rows: bool = True,
+               explore_rows: int | None = None):
     """The auto engine's chooser replaced, for the calls inside: one that always picks K=`pin` (it still reads the
     counters; the engine then runs its own K graph, as a fixed-K engine would, with no compile of its own), or one
     with another decay and `host_ms` added to every K's time per step (negative: taken off; a chooser variant on
     the same graphs); rows=False: blind to the work each row has left (the most tokens per second over all
-    rows at every replay)."""
+    rows at every replay); explore_rows: adaptive.EXPLORE_ROWS (the busy rows up to which it tries a larger K)."""
     real = sg_runtime.KChooser
+    explore = adaptive.EXPLORE_ROWS if explore_rows is None else explore_rows
 
     class Variant(real):
         def __init__(self, choices):
@@ -139,7 +142,8 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
 
     sg_runtime.KChooser = Variant
     try:
-        yield
+        with settings_as(adaptive, EXPLORE_ROWS=explore):
+            yield
     finally:
         sg_runtime.KChooser = real
 
@@ -154,19 +158,22 @@ def admission_as(dec: SpecDecoder, wait: int):
         dec.config.admission_wait = old
 
 
-def chooser_variants(spec: str) -> list[tuple[str, float, float | None, bool]]:
-    """"0.85,0.9+0.09,0.95-h,0.85:blind" -> [("0.85", 0.85, 0.0, True), ("0.9+0.09", 0.9, 0.09, True),
-    ("0.95-h", 0.95, None, True), ("0.85:blind", 0.85, 0.0, False)]: the decay per row-step, then host ms per
-    replay added to the engine's step times ("-h": without the host time the engine measured, None); ":blind":
-    a chooser blind to the work each row has left."""
+def chooser_variants(spec: str) -> list[tuple[str, float, float | None, bool, int | None]]:
+    """"0.85,0.9+0.09,0.95-h,0.85:blind,0.85:explore=8" -> [("0.85", 0.85, 0.0, True, None), ("0.9+0.09", 0.9,
+    0.09, True, None), ("0.95-h", 0.95, None, True, None), ("0.85:blind", 0.85, 0.0, False, None), ("0.85:explore=8",
+    0.85, 0.0, True, 8)]: the decay per row-step, then host ms per replay added to the engine's step times ("-h":
+    without the host time the engine measured, None); ":blind": a chooser blind to the work each row has left;
+    ":explore=N": it tries a larger K at up to N busy rows (adaptive.EXPLORE_ROWS)."""
     out = []
     for item in (x for x in spec.split(",") if x):
-        body, blind = (item[:-6], True) if item.endswith(":blind") else (item, False)
-        if body.endswith("-h"):
-            out.append((item, float(body[:-2]), None, not blind))
-            continue
-        decay, _, host = body.partition("+")
-        out.append((item, float(decay), float(host or 0.0), not blind))
+        body, *tags = item.split(":")
+        blind = "blind" in tags
+        explore = [int(t[len("explore="):]) for t in tags if t.startswith("explore=")]
+        if set(tags) - {"blind"} - {t for t in tags if t.startswith("explore=")}:
+            raise SystemExit(f"--chooser-variants {item!r}: tags are :blind and :explore=N")
+        host = None if body.endswith("-h") else float(body.partition("+")[2] or 0.0)
+        decay = float(body[:-2] if body.endswith("-h") else body.partition("+")[0])
+        out.append((item, decay, host, not blind, explore[-1] if explore else None))
     return out
 
 
@@ -221,8 +228,8 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
             # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
             own_ms = 1e3 * dec.host_times.get((True, B), 0.0) / a.steps_per_graph
             runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h / a.steps_per_graph,
-                                             rows=rows))
-                     for name, d, h, rows in chooser_variants(a.chooser_variants)]
+                                             rows=rows, explore_rows=x))
+                     for name, d, h, rows, x in chooser_variants(a.chooser_variants)]
         if k == AUTO and verification == "token" and a.pin_in_auto and not a.skip_fixed:
             runs += [(pin, dict(pin=pin)) for pin in a.k_set]
         # twins that admit queued requests at once (admission_wait 0): the same engine and graphs
@@ -391,7 +398,8 @@ def parse_args():
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--chooser-variants", default="",
                     help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
-                         "replay | -h][:blind], comma-separated (e.g. 0.85+0.09,0.9,0.95-h,0.85:blind; blind: to "
+                         "replay | -h][:blind][:explore=N], comma-separated (e.g. 0.85+0.09,0.9,0.95-h,0.85:blind, "
+                         "0.85:explore=8; explore: tries a larger K at up to N busy rows; blind: to "
                          "the work each row has left); the same graphs, no compile")
     ap.add_argument("--pin-in-auto", action="store_true",
                     help="run each fixed K in the auto engine with its choice pinned (one compile for all K)")

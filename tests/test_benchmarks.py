@@ -206,3 +206,22 @@ def test_bench_adaptive_reads_greedy_targets_on_the_fastest_calls():
     assert all("fastest" not in x for x in lines if " at temperature" in x), lines
     table = "\n".join(bench_adaptive.tables(res, a))
     assert "| 8 | greedy | auto | token | 60 / 60 / 60 |" in table and "| 120 / 105 / 112 |" in table, table
+
+
+def test_bench_adaptive_chooser_variants_parse_and_take_their_settings():
+    """Each chooser variant's tags reach the chooser: :blind turns the work left off, :explore=N sets
+    adaptive.EXPLORE_ROWS inside and restores it after; an unknown tag is refused by name."""
+    import bench_adaptive
+
+    from spec_graph import adaptive, runtime
+
+    got = bench_adaptive.chooser_variants("0.85,0.9+0.09,0.95-h,0.85:blind,0.8:explore=8:blind")
+    assert got == [("0.85", 0.85, 0.0, True, None), ("0.9+0.09", 0.9, 0.09, True, None),
+                   ("0.95-h", 0.95, None, True, None), ("0.85:blind", 0.85, 0.0, False, None),
+                   ("0.8:explore=8:blind", 0.8, 0.0, False, 8)]
+    with pytest.raises(SystemExit, match=r"0.85:wide.*:explore=N"):
+        bench_adaptive.chooser_variants("0.85:wide")
+    was = adaptive.EXPLORE_ROWS
+    with bench_adaptive.chooser_as(decay=0.8, explore_rows=3):
+        assert adaptive.EXPLORE_ROWS == 3 != was and runtime.KChooser((1, 2)).decay == 0.8
+    assert adaptive.EXPLORE_ROWS == was and runtime.KChooser is adaptive.KChooser
