@@ -57,11 +57,12 @@ ROW_PRIOR_WEIGHT = 8.0
 # has faded below EXPLORE_SEEN (decayed) row-steps, is taken for one replay: the prior of an unseen deep position
 # is a guess, and only a step that reaches it can correct it. While the larger K stays within the margin this
 # recurs as the position fades again (about every 9 replays of one row; at most 2% dearer each). 0: never.
-# Only at up to EXPLORE_ROWS busy rows: priced with the H100's step times (sim_adaptive.py, RESULTS.md 2026-12-05)
-# it lost 3-4% of the best fixed K at B=8 ((ii) greedy, (i) sampled), where a try costs every row's step, and at
-# one row took greedy (i) from 0.941x to 0.983x.
+# EXPLORE_ROWS limits the tries to that many busy rows (None: any). Kept at any: at B=8 greedy, interleaved on
+# one H100 engine, trying at any row count ran 0.967 / 1.010x the best fixed K on held-out code / random bytes
+# against 0.904 / 1.003x at one row only (RESULTS.md 2026-12-05); without tries the chooser settled on K=1 where
+# deeper K did as well.
 EXPLORE_MARGIN = 0.02
-EXPLORE_ROWS = 1  # busy rows up to which it tries
+EXPLORE_ROWS: int | None = None
 EXPLORE_SEEN = 0.25
 
 
@@ -219,7 +220,8 @@ class KChooser:
         for k, cost in costs.items():
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = k, cost
-        if best < self.kmax and self.reached[best] < EXPLORE_SEEN and len(remaining or ()) <= EXPLORE_ROWS:
+        few_rows = EXPLORE_ROWS is None or len(remaining or ()) <= EXPLORE_ROWS
+        if best < self.kmax and self.reached[best] < EXPLORE_SEEN and few_rows:
             wider = [k for k in costs if k > best and costs[k] <= best_cost * (1 + EXPLORE_MARGIN)]
             if wider:
                 return min(wider)
