@@ -425,3 +425,44 @@ def test_a_hugging_face_llama_compiles_through_the_backend(tmp_path, backend_cal
         got, want = torch.compile(model, backend="spec_graph")(ids).logits, model(ids).logits
     torch.testing.assert_close(got, want)
     assert backend_calls and all(found == [] for found in backend_calls)
+
+
+_LOG = __import__("logging").getLogger("spec_graph.test")
+
+
+def step_that_prints(x):
+    y = x * 2
+    print("step", y.sum())
+    return y + 1
+
+
+def step_that_logs(x):
+    y = x * 2
+    _LOG.info("step")
+    return y + 1
+
+
+def step_that_logs_outside_compiles(x):
+    y = x * 2
+    if not torch.compiler.is_compiling():
+        _LOG.info("step")
+    return y + 1
+
+
+@pytest.mark.parametrize("fn, op, hint", [(step_that_prints, "print", "reorderable_logging_functions"),
+                                          (step_that_logs, "logging", "torch.compiler.is_compiling()")])
+def test_a_print_or_log_in_the_step_is_named(eager_compile_stage, fn, op, hint):
+    """A print or logging call splits the graph: the error names it and says what keeps the step whole (Dynamo's
+    own reason was "Failed to trace builtin operator", or one about Logger methods). The control: with the fix
+    the hint gives, the step compiles whole and returns eager's result."""
+    src, first = inspect.getsourcelines(fn)
+    want = (op, HERE, first + next(i for i, x in enumerate(src) if "print(" in x or "_LOG." in x))
+    with pytest.raises(HostSyncError) as e:
+        spec_graph.compile(fn, options={"capture": False, **CPU})(torch.ones(3))
+    assert [(f.op, f.file, f.line) for f in e.value.findings] == [want], e.value.findings
+    assert "after the call" in e.value.findings[0].detail and hint in e.value.findings[0].detail
+    fixed = fn if op == "print" else step_that_logs_outside_compiles
+    with torch._dynamo.config.patch(reorderable_logging_functions={print}):
+        torch._dynamo.reset()
+        out = spec_graph.compile(fixed, options={"capture": False, **CPU})(torch.ones(3))
+    torch.testing.assert_close(out, fn(torch.ones(3)))

@@ -211,7 +211,14 @@ _DETAIL = {
     "branch": "Python control flow on a tensor value",
     "data-dependent shape": "output shape depends on tensor values; the host must read it",
     "host read": "the result is a Python value computed from tensor data",
+    "print": "print() runs on the host; print after the call, or add print to "
+             "torch._dynamo.config.reorderable_logging_functions (it then prints once the graph has run)",
+    "logging": "a logging call runs on the host; log after the call, or skip it while compiling (under "
+               "`if not torch.compiler.is_compiling():`)",
 }
+# A call to print or to a logger's method, at the start of the line that broke
+_LOG_CALL_RE = re.compile(r"^\s*(?:(?P<print>print)|(?:[\w.]*\.)?_*(?:log|logger|logging)\w*\."
+                          r"(?:debug|info|warning|warn|error|exception|critical|log))\s*\(", re.IGNORECASE)
 _SCALAR_READS = {"item", "_local_scalar_dense"}
 _DYNAMIC_SHAPE_OPS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique",
                       "_unique2", "unique_dim", "repeat_interleave", "bincount", "histc"}
@@ -412,6 +419,11 @@ def _classify_break(reason: str, segment: str) -> tuple[str, str]:
     # 2. what the source says (a reason Dynamo did not record, or one not recognised above)
     if is_branch_line:
         return "branch", _DETAIL["branch"]
+    if (m := _LOG_CALL_RE.match(seg)) is not None:
+        op = "print" if m.group("print") else "logging"
+        if "attempted to reorder" in low:  # registered as reorderable, but with arguments Dynamo cannot defer
+            return op, "a reorderable logging call is deferred only where its arguments are tensors and constants"
+        return op, _DETAIL[op]
     for pat, op in ((".tolist(", "tolist"), (".item(", "item"), ("nonzero(", "nonzero"), (".numpy(", "numpy"),
                     (".cpu(", "cpu")):
         if pat in seg:
