@@ -15,11 +15,12 @@ training window):
 One engine per (K, verification, B), max_batch_size=B and the one bucket B (fewer compiles; the tail of a
 batch runs padded to B). With --pin-in-auto the fixed K run in the auto engine instead, its choice pinned to
 each K in turn: the same captured graphs as auto's, and one compile for the lot (about half the run).
---chooser-variants runs auto's greedy workloads again with other choosers on the same graphs: another decay
-per row-step, and a host time per replay added to every K's step time ("+ms"), or the engine's own measured
-host time taken off it ("-h": the table of the replays alone). --at-once-too runs the runs it names again with
-queued requests admitted at once (admission_wait 0) where the engines wait (--admission-wait, by default
-max_batch_size slot-steps) for freed slots to share a prefill.
+--chooser-variants runs auto's workloads (greedy, and sampled where auto samples) again with other choosers on
+the same graphs: another decay per row-step, a host time per replay added to every K's step time ("+ms") or the
+engine's own measured host time taken off it ("-h": the table of the replays alone), blind to the work each row
+has left (":blind"), or trying a larger K at up to N busy rows (":explore=N"). --at-once-too runs the runs it
+names again with queued requests admitted at once (admission_wait 0) where the engines wait (--admission-wait,
+by default max_batch_size slot-steps) for freed slots to share a prefill.
 
 A B=1 engine runs its prompts one after another inside one generate call, so "auto" carries what it learnt
 from request to request. Greedy at each fixed K of --k-set and at K="auto" (max_speculative_tokens = the
@@ -50,6 +51,7 @@ import argparse
 import collections
 import contextlib
 import gc
+import itertools
 import random
 import statistics
 import sys
@@ -224,9 +226,9 @@ def run_engine(key, modes, B: int, prompts: dict, a, res: dict, notes: list, sav
         notes[at] = head + ", ".join(caps)
         save()
         runs = [(k, {})]
-        if k == AUTO and mode == "greedy":
+        if k == AUTO and verification == "token":
             # the host time the engine measured per replay, as ms per step (what a "-h" variant takes off)
-            own_ms = 1e3 * dec.host_times.get((True, B), 0.0) / a.steps_per_graph
+            own_ms = 1e3 * dec.host_times.get((mode == "greedy", B), 0.0) / a.steps_per_graph
             runs += [(f"auto d={name}", dict(decay=d, host_ms=-own_ms if h is None else h / a.steps_per_graph,
                                              rows=rows, explore_rows=x))
                      for name, d, h, rows, x in chooser_variants(a.chooser_variants)]
@@ -311,15 +313,17 @@ def _fixed(res, B: int, mode: str, w: str, ks, field: str = "tps") -> dict:
 
 def targets(res, a) -> list[str]:
     L = []
-    autos = sorted({key[2] for key in res if str(key[2]).startswith(AUTO) and key[1] == "greedy"}, key=str)
+    autos = sorted({key[2] for key in res if str(key[2]).startswith(AUTO)}, key=str)
     for B in a.batch_sizes:
-        for name in (x for x in autos if x != AUTO):  # chooser variants: against the best fixed K and K=4
-            row = [res.get((B, "greedy", name, "token", w)) for w in WORKLOADS]
-            fixed = [_fixed(res, B, "greedy", w, a.k_set) for w in WORKLOADS]
+        for mode, name in itertools.product(("greedy", "sampling"), (x for x in autos if x != AUTO)):
+            # chooser variants: against the best fixed K and K=4
+            row = [res.get((B, mode, name, "token", w)) for w in WORKLOADS]
+            fixed = [_fixed(res, B, mode, w, a.k_set) for w in WORKLOADS]
             if all(row) and all(fixed):
                 vs = " / ".join(f"{r['tps'] / max(f.values()):.3f}" for r, f in zip(row[:2], fixed[:2]))
-                k4 = res.get((B, "greedy", 4, "token", "mixed"))
-                L.append(f"- B={B} {name}: {vs} of the best fixed K on (i) / (ii)"
+                k4 = res.get((B, mode, 4, "token", "mixed"))
+                L.append(f"- B={B} {name}" + ("" if mode == "greedy" else " at temperature 1")
+                         + f": {vs} of the best fixed K on (i) / (ii)"
                          + (f"; {row[2]['tps'] / k4['tps']:.3f}x K=4 on (iii)" if k4 else ""))
         for mode in ("greedy", "sampling"):
             at = "" if mode == "greedy" else " at temperature 1"
@@ -397,7 +401,8 @@ def parse_args():
     ap.add_argument("--skip-block", action="store_true", help="sampled runs with token verification only")
     ap.add_argument("--skip-fixed", action="store_true", help="greedy at K=auto only (the fixed K left out)")
     ap.add_argument("--chooser-variants", default="",
-                    help="also run the auto engine's greedy workloads with these choosers: decay[+host ms per "
+                    help="also run the auto engine's workloads (greedy, and sampled where auto samples) with these "
+                         "choosers: decay[+host ms per "
                          "replay | -h][:blind][:explore=N], comma-separated (e.g. 0.85+0.09,0.9,0.95-h,0.85:blind, "
                          "0.85:explore=8; explore: tries a larger K at up to N busy rows; blind: to "
                          "the work each row has left); the same graphs, no compile")
