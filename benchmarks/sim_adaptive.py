@@ -47,14 +47,14 @@ def engine(k, B: int, kmax: int, device: str, admission_wait: int | None = None)
     return SpecDecoder.from_pretrained(ba.DEFAULT_PAIR / "target", ba.DEFAULT_PAIR / "draft", cfg)
 
 
-PRIOR_SETTINGS = ("PRIOR_SHRINK", "PRIOR_WEIGHT", "PRIOR_MISS_SCALE", "EXPLORE_MARGIN")
+PRIOR_SETTINGS = ("PRIOR_SHRINK", "PRIOR_WEIGHT", "PRIOR_MISS_SCALE", "EXPLORE_MARGIN", "EXPLORE_ROWS")
 
 
 def prior_as(*values: float):
     """The chooser's prior for each position: the rate of the one before it times PRIOR_SHRINK, its miss rate
     times PRIOR_MISS_SCALE, weighing PRIOR_WEIGHT row-steps against the observations; and the margin within which
-    it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN): `values` in PRIOR_SETTINGS' order,
-    the others as the engine has them."""
+    it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN), at up to EXPLORE_ROWS busy rows:
+    `values` in PRIOR_SETTINGS' order, the others as the engine has them."""
     return settings_as(adaptive, **dict(zip(PRIOR_SETTINGS, values)))
 
 
@@ -170,9 +170,10 @@ def main() -> None:
                          "several percent from one seed to the next)")
     ap.add_argument("--prior-shrinks", default="",
                     help="also the engine's chooser (+h) with other priors per position, as "
-                         "shrink:weight[:miss[:explore]] (0.9:4: the rate of the position before x 0.9, weighing 4 "
-                         "row-steps; 1:1:1.5: its miss rate x 1.5; 0.9:1:1:0.03: a larger K within 3%% tried where "
-                         "unseen; sim_adaptive.PRIOR_SETTINGS)")
+                         "shrink:weight[:miss[:explore[:rows]]] (0.9:4: the rate of the position before x 0.9, "
+                         "weighing 4 row-steps; 1:1:1.5: its miss rate x 1.5; 0.9:1:1:0.03: a larger K within 3%% "
+                         "tried where unseen; 0.9:1:1:0.02:1: tried at one busy row only; "
+                         "sim_adaptive.PRIOR_SETTINGS)")
     ap.add_argument("--variants", choices=("all", "engine"), default="all",
                     help="chooser variants per decay: all (with and without the host time, blind to rows' work "
                          "left or not) or the engine's alone (+h, by row)")
