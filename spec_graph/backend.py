@@ -16,7 +16,8 @@ import torch
 from . import platform as _platform
 from .capture import CapturedFunction
 from .config import check_device
-from .passes.host_sync import HostSyncError, find_host_reads, warn_if_split
+from .passes.graph_split import warn_if_split
+from .passes.host_sync import HostSyncError, find_host_reads
 from .passes.manager import PassManager, check_enabled
 
 BACKEND_NAME = "spec_graph"
