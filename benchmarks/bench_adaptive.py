@@ -169,13 +169,16 @@ def chooser_variants(spec: str) -> list[tuple[str, float, float | None, bool, in
     out = []
     for item in (x for x in spec.split(",") if x):
         body, *tags = item.split(":")
-        blind = "blind" in tags
-        explore = [int(t[len("explore="):]) for t in tags if t.startswith("explore=")]
-        if set(tags) - {"blind"} - {t for t in tags if t.startswith("explore=")}:
+        explore = [t for t in tags if t.startswith("explore=")]
+        if set(tags) - {"blind"} - set(explore):
             raise SystemExit(f"--chooser-variants {item!r}: tags are :blind and :explore=N")
-        host = None if body.endswith("-h") else float(body.partition("+")[2] or 0.0)
-        decay = float(body[:-2] if body.endswith("-h") else body.partition("+")[0])
-        out.append((item, decay, host, not blind, explore[-1] if explore else None))
+        if body.endswith("-h"):
+            decay, host = float(body[:-2]), None
+        else:
+            d, _, h = body.partition("+")
+            decay, host = float(d), float(h or 0.0)
+        out.append((item, decay, host, "blind" not in tags,
+                    int(explore[-1][len("explore="):]) if explore else None))
     return out
 
 

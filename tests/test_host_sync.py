@@ -7,6 +7,7 @@ marker comments, read with inspect, so editing this file cannot break them.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import pickle
 import re
@@ -428,7 +429,7 @@ def test_a_hugging_face_llama_compiles_through_the_backend(tmp_path, backend_cal
     assert backend_calls and all(found == [] for found in backend_calls)
 
 
-_LOG = __import__("logging").getLogger("spec_graph.test")
+_LOG = logging.getLogger("spec_graph.test")
 
 
 def step_that_prints(x):
