@@ -162,17 +162,18 @@ class SpecGraphConfig:
         return batch
 
 
-def checked_buckets(bb) -> tuple[int, ...]:
+def checked_buckets(bb, name: str = "batch_buckets") -> tuple[int, ...]:
+    """Sorted distinct padded batch sizes; `name` is the setting as the user spelled it (for the message)."""
     if not isinstance(bb, (list, tuple, set, frozenset, range)) or not bb \
             or not all(is_int(b) and b >= 1 for b in bb):
-        raise ValueError(f"batch_buckets must be a non-empty list of positive integers (padded batch sizes such "
+        raise ValueError(f"{name} must be a non-empty list of positive integers (padded batch sizes such "
                          f"as [1, 2, 4, 8]), got {bb!r}")
     return tuple(sorted({int(b) for b in bb}))
 
 
-def checked_steps_per_graph(n) -> int:
+def checked_steps_per_graph(n, name: str = "steps_per_graph") -> int:
     if not is_int(n) or n < 1:
-        raise ValueError(f"steps_per_graph must be a positive integer, got {n!r}")
+        raise ValueError(f"{name} must be a positive integer, got {n!r}")
     return int(n)
 
 

@@ -150,8 +150,11 @@ def test_parse_settings():
         parse({"enable_spec_graph": True, "spec_graph": {"bogus": 1}})
     with pytest.raises(ValueError, match="must be true or false"):
         parse({"enable_spec_graph": "yes"})
-    with pytest.raises(ValueError, match="batch_buckets"):
-        parse({"enable_spec_graph": True, "spec_graph": {"batch_buckets": [0]}})
+    for bad in ([0], [], "4", [2, True], [1.0]):
+        with pytest.raises(ValueError, match=r"additional_config\['spec_graph'\]\['batch_buckets'\] must be a "
+                                             r"non-empty list of positive integers"):
+            parse({"enable_spec_graph": True, "spec_graph": {"batch_buckets": bad}})
+    assert parse({"enable_spec_graph": True, "spec_graph": {"batch_buckets": (2, 1)}}).batch_buckets == (1, 2)
     assert parse({"spec_graph": {"batch_buckets": [0]}}) == parse(None)  # flag off: ignored
 
 
@@ -241,7 +244,7 @@ def test_steps_per_graph_must_be_one_inside_vllm():
     assert parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": 1}}).steps_per_graph == 1
     assert parse({"enable_spec_graph": True}).steps_per_graph == 1
     for bad in (0, -2, True, 2.0, "4"):
-        with pytest.raises(ValueError, match=r"\['steps_per_graph'\] must be a positive int, got"):
+        with pytest.raises(ValueError, match=r"\['steps_per_graph'\] must be a positive integer, got"):
             parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": bad}})
     with pytest.raises(ValueError, match=r"must be 1 inside vLLM, got 4: vLLM's runner calls the drafter once per "
                                          r"step.*SpecGraphConfig"):

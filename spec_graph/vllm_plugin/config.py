@@ -21,7 +21,7 @@ import difflib
 import logging
 from dataclasses import dataclass
 
-from ..config import is_int
+from ..config import checked_buckets, checked_steps_per_graph
 
 log = logging.getLogger("spec_graph")
 
@@ -62,22 +62,17 @@ def parse(additional_config) -> PluginSettings:
                          f"{list(KNOWN_KEYS)}")
     buckets = section.get("batch_buckets")
     if buckets is not None:
-        if (not isinstance(buckets, (list, tuple)) or not buckets
-                or not all(is_int(b) and b > 0 for b in buckets)):
-            raise ValueError(f"additional_config[{SECTION!r}]['batch_buckets'] must be a non-empty list of "
-                             f"positive ints, got {buckets!r}")
-        buckets = tuple(sorted({int(b) for b in buckets}))
+        buckets = checked_buckets(buckets, f"additional_config[{SECTION!r}]['batch_buckets']")
     steps = section.get("steps_per_graph")
-    steps = 1 if steps is None else steps
-    if not is_int(steps) or steps < 1:
-        raise ValueError(f"additional_config[{SECTION!r}]['steps_per_graph'] must be a positive int, got {steps!r}")
+    steps = checked_steps_per_graph(1 if steps is None else steps,
+                                    f"additional_config[{SECTION!r}]['steps_per_graph']")
     if steps != 1:
         raise ValueError(
             f"additional_config[{SECTION!r}]['steps_per_graph'] must be 1 inside vLLM, got {steps}: vLLM's runner "
             f"calls the drafter once per step and runs the target verify and rejection sampling itself between "
             f"calls, so one draft graph cannot cover several steps (steps_per_graph > 1 is for spec-graph's own "
             f"engine, SpecGraphConfig)")
-    return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=int(steps))
+    return PluginSettings(enabled=flag, batch_buckets=buckets, steps_per_graph=steps)
 
 
 _warned_ignored: set[str] = set()  # sections already warned about (parse runs several times per engine)
