@@ -192,13 +192,16 @@ def _record_launches(monkeypatch, *keys) -> list:
     return seen
 
 
-@pytest.mark.parametrize("norm_block", [16, 64, 256])
-def test_norm_sums_any_block(norm_block, monkeypatch):
+@pytest.mark.parametrize("norm_block, unroll", [(16, 1), (64, 1), (256, 1), (16, 4), (32, 2), (16, 8)])
+def test_norm_sums_any_block(norm_block, unroll, monkeypatch):
     """The norm's sum of squares read in steps of NORM_BLOCK_K columns (K = 96: a partial last step at 64; 256
-    rounds down to one masked step of 128) equals the reference, and the launch hands the kernel that step. The
-    control: with eps taken as 1.0 instead the outputs differ (the norm's statistics reach the output)."""
+    rounds down to one masked step of 128), NORM_UNROLL steps at a time (16 x 4 and 32 x 2: a last group with
+    masked steps; 16 x 8: one group, its last two steps empty), equals the reference, and the launch hands the
+    kernel that step. The control: with eps taken as 1.0 instead the outputs differ (the norm's statistics
+    reach the output)."""
     _require_kernel()
     monkeypatch.setattr(_ll, "NORM_BLOCK_K", norm_block)
+    monkeypatch.setattr(_ll, "NORM_UNROLL", unroll)
     steps = _record_launches(monkeypatch, "NORM_BLOCK")
     g = torch.Generator().manual_seed(5)
     x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
@@ -642,7 +645,7 @@ for rows, (mode, cols, K) in [(r, s) for r in (4, 1) for s in shapes]:
     const = dict(MODE=mode, HALF=64 if mode == dl.ROPE else 1, HAS_BIAS=False, HAS_NORM=mode != dl.PLAIN,
                  HAS_RES=mode == dl.PLAIN, WRITE_KV=False, HAS_SLOTS=False, DOT=dot, IEEE=True, UPCAST=False,
                  BLOCK_M=16 if dot else 1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NORM_BLOCK=bk,
-                 ONE_STEP=ll.one_step(dot, split, K, bk), CHOOSE=False, MERGE=256)
+                 NORM_UNROLL=ll.NORM_UNROLL, ONE_STEP=ll.one_step(dot, split, K, bk), CHOOSE=False, MERGE=256)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     # tensors fp32 but for the 2-byte one-row launches (the 4-row control: the 2-byte tiles on fp32 data)
     ptr = "*bf16" if rows == 1 and itemsize == 2 else "*fp32"

@@ -207,8 +207,8 @@ for rows, cols, K in ((1, 32000, 768), (5, 128256, 4096), (16, 151936, 2048)):
     dot, bn, bk, warps, stages, _ = ll.launch_config(rows, cols, K, False, 2, 132)
     const = dict(MODE=dl.PLAIN, HALF=1, HAS_BIAS=False, HAS_NORM=True, HAS_RES=False, WRITE_KV=False,
                  HAS_SLOTS=False, DOT=dot, IEEE=False, UPCAST=False, BLOCK_M=16 if dot else 1, BLOCK_N=bn,
-                 BLOCK_K=bk, SPLIT_K=1, NORM_BLOCK=bk, ONE_STEP=ll.one_step(dot, 1, K, bk), CHOOSE=True,
-                 MERGE=gh.MERGE_BLOCK)
+                 BLOCK_K=bk, SPLIT_K=1, NORM_BLOCK=bk, NORM_UNROLL=ll.NORM_UNROLL,
+                 ONE_STEP=ll.one_step(dot, 1, K, bk), CHOOSE=True, MERGE=gh.MERGE_BLOCK)
     types = {"sync_ptr": "*i32", "ws_ptr": "*fp32", "ai_ptr": "*i32", "ids_ptr": "*i64", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
