@@ -1,8 +1,11 @@
 """The shared libraries an ELF shared object links (its DT_NEEDED entries), read from its bytes."""
 from __future__ import annotations
 
+import io
 import struct
+import zipfile
 from pathlib import Path
+
 
 def _elf_needed(data: bytes) -> list[str] | None:
     """The DT_NEEDED libraries of a 64-bit little-endian ELF shared object; None for anything else."""
@@ -30,3 +33,23 @@ def _process_links_libstdcxx() -> bool:
         return "libstdc++.so" in Path("/proc/self/maps").read_text()
     except OSError:
         return False
+
+
+def static_cxx_runtime(package) -> str | None:
+    """The AOTInductor library in ``package`` (a path or the bytes of one) with its own libstdc++, if any.
+
+    torch runs on the shared libstdc++; a library built with a statically linked
+    one (some toolchains' g++ default to it) resolves part of its C++ runtime to
+    the process's copy and crashes on load, in std::regex in the model's
+    constructor, with no Python error. So export and load check it first."""
+    if not _process_links_libstdcxx():
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(package) if isinstance(package, bytes) else package) as z:
+            for name in z.namelist():
+                needed = _elf_needed(z.read(name)) if name.endswith(".so") else None
+                if needed is not None and not any(n.startswith(("libstdc++.so", "libc++.so")) for n in needed):
+                    return Path(name).name
+    except (zipfile.BadZipFile, ValueError, IndexError, struct.error):
+        return None  # damaged: the loader reports it
+    return None

@@ -1,4 +1,5 @@
-"""Offline export of the speculative step (``spec-graph export``) and its loader (``load_exported``).
+"""Offline export of the speculative step (``spec-graph export``); its loader, ``load_exported``, is in
+export_load.py (and importable from here).
 
 The package is one zip file (conventionally ``.pt2``) holding:
 
@@ -51,11 +52,9 @@ logits).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -65,19 +64,16 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, platform
+from . import __version__
 from .backend import known_inductor_configs, lazy_operator_text
-from .config import SpecGraphConfig, is_int
-from .elf import _elf_needed, _process_links_libstdcxx  # noqa: F401
+from .config import SpecGraphConfig
+from .elf import _elf_needed, static_cxx_runtime as _static_cxx_runtime  # noqa: F401
+from .export_load import (FORMAT, FORMAT_VERSION, META, TOKENIZER, WEIGHTS, ExportedRunner, ExportError,  # noqa: F401
+                          load_exported, read_metadata)
 from .export_progress import _Progress
-from .runtime import WRITEBACK, DecoderBase
+from .runtime import WRITEBACK
 from .step import STATE_FIELDS
 
-FORMAT = "spec-graph-export"
-# 2: one step artifact per mode (dynamic batch), optional sampling step, sha256 of every member; 3: the prefill's
-# span input (it reads its own positions of the caches, not all of them)
-FORMAT_VERSION = 3
-META, WEIGHTS, TOKENIZER = "metadata.json", "weights.safetensors", "tokenizer.json"
 MODES = ("greedy", "sample")  # the step variants, by their artifact names (step_greedy, step_sample)
 # Line tables only help profilers; without them each artifact's .so is about a third the size.
 # Older torch (2.11) lacks the option, and AOTInductor refuses keys it does not know.
@@ -100,10 +96,6 @@ def _inductor_configs(device_type: str | None = None) -> dict:
 
 
 _KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")
-
-
-class ExportError(ValueError):
-    """An export that cannot be written or loaded; the message names the problem and the fix."""
 
 
 def check_output_path(out) -> Path:
@@ -161,26 +153,6 @@ def _strip_sources(package: Path) -> None:
         for item in zin.infolist():
             zout.writestr(item, b"" if item.filename.endswith(".cpp") else zin.read(item.filename))
     os.replace(kept, package)
-
-
-def _static_cxx_runtime(package) -> str | None:
-    """The AOTInductor library in ``package`` (a path or the bytes of one) with its own libstdc++, if any.
-
-    torch runs on the shared libstdc++; a library built with a statically linked
-    one (some toolchains' g++ default to it) resolves part of its C++ runtime to
-    the process's copy and crashes on load, in std::regex in the model's
-    constructor, with no Python error. So export and load check it first."""
-    if not _process_links_libstdcxx():
-        return None
-    try:
-        with zipfile.ZipFile(io.BytesIO(package) if isinstance(package, bytes) else package) as z:
-            for name in z.namelist():
-                needed = _elf_needed(z.read(name)) if name.endswith(".so") else None
-                if needed is not None and not any(n.startswith(("libstdc++.so", "libc++.so")) for n in needed):
-                    return Path(name).name
-    except (zipfile.BadZipFile, ValueError, IndexError, struct.error):
-        return None  # damaged: the loader reports it
-    return None
 
 
 def _check_cxx_runtime(package: Path) -> None:
@@ -407,201 +379,6 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
                      f"for {batch}{only}) in {time.perf_counter() - t_start:.1f}s\n")
         stream.flush()
     return meta
-
-
-# ---------------------------------------------------------------------------------------------- loading
-def read_metadata(path) -> dict:
-    """The metadata of an export, after checking that it is one, intact, and built by this torch."""
-    path = Path(path)
-    if path.is_dir():
-        raise ExportError(f"{path} is a directory, not a package written by `spec-graph export`: pass the .pt2 "
-                          "file, or run a checkpoint pair with --target and --draft")
-    if not path.is_file():
-        raise ExportError(f"{path} does not exist or is not a file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        raise ExportError(f"{path} is not a spec-graph export (not a zip package); create one with `spec-graph export`")
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = set(z.namelist())
-            if META not in names:
-                raise ExportError(f"{path} is not a spec-graph export (no {META}); create one with `spec-graph export`")
-            meta = json.loads(z.read(META))
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise ExportError(f"{path} is not a spec-graph export ({META} lacks the format marker)")
-            bad = z.testzip()  # every member's CRC
-            if bad is not None:
-                raise ExportError(f"{path} is corrupt: member {bad!r} fails its checksum; export it again")
-            missing = [n for n in [WEIGHTS, *(a["file"] for a in meta["artifacts"].values())] if n not in names]
-            if missing:
-                raise ExportError(f"{path} is corrupt or incomplete: missing {', '.join(missing)}; export it again")
-    except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-            AttributeError, zipfile.LargeZipFile) as e:
-        raise ExportError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); export it again") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ExportError(f"{path} has export format version {meta.get('format_version')!r}; this spec-graph "
-                          f"reads version {FORMAT_VERSION}: export it again")
-    if meta.get("torch_version") != torch.__version__:
-        raise ExportError(f"{path} was built with torch {meta.get('torch_version')}, but this is torch "
-                          f"{torch.__version__}: AOTInductor artifacts only load in the torch that built them; "
-                          f"export again here or install torch {meta.get('torch_version')}")
-    sums, steps = meta.get("sha256"), meta.get("steps")
-    files = [WEIGHTS, *(a["file"] for a in meta["artifacts"].values())]
-    if not isinstance(sums, dict) or any(not isinstance(sums.get(n), str) for n in files) \
-            or not isinstance(steps, dict) or "greedy" not in steps \
-            or any(name not in meta["artifacts"] for per in steps.values() for name in per.values()):
-        raise ExportError(f"{path} is corrupt: its {META} lacks the sha256 of its files or the steps it holds; "
-                          "export it again")
-    return meta
-
-
-class ExportedRunner(DecoderBase):
-    """``generate(...)`` as ``SpecDecoder``'s, over the AOTInductor artifacts of an export."""
-
-    def __init__(self, meta: dict, weights: tuple, prefill, steps: dict, config: SpecGraphConfig, plat,
-                 tokenizer, workdir, path: Path):
-        self.metadata, self.path, self.weights = meta, path, weights
-        self._prefill_fn, self._steps, self._workdir = prefill, steps, workdir
-        self.batch_sizes = tuple(meta["batch_sizes"])
-        self.sampling = "sample" in meta["steps"]  # exported with --sampling
-        use_graphs = plat.supports_graphs and config.enable_graph is not False
-        super().__init__(config, meta["vocab_size"], plat.device, plat, tokenizer, meta["eos_token_ids"],
-                         use_graphs=use_graphs, rows=meta["rows"])
-        self.window = meta.get("window")  # the pair's max_position_embeddings
-
-    def _no_sampling(self) -> ExportError:
-        return ExportError(f"{self.path} holds only the greedy step (it was exported without --sampling): use "
-                           "temperature 0, or export again with --sampling for temperature > 0")
-
-    def generate(self, prompts, max_new_tokens, *args, **kwargs):
-        temperature = args[0] if args else kwargs.get("temperature", 0.0)
-        if not self.sampling:
-            from .sampling import SamplingParams
-
-            try:
-                greedy = SamplingParams(temperature=temperature).greedy
-            except (ValueError, TypeError):
-                greedy = True  # not a valid temperature: generate names it
-            if not greedy:
-                raise self._no_sampling()
-        return super().generate(prompts, max_new_tokens, *args, **kwargs)
-
-    def _too_long(self, i: int, n: int, max_new_tokens: int) -> None:
-        # The base advises raising max_len (--max-len), which an export fixes: here, to export again.
-        if self.config.max_len < self.metadata["max_len"]:  # lowered on the runner: it may be raised back
-            return super()._too_long(i, n, max_new_tokens)
-        need = n + max_new_tokens
-        msg = f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {need} > max_len=" \
-              f"{self.config.max_len}, which the export fixed: "
-        if self.window is not None and need > self.window:  # past what the models were trained on
-            raise ValueError(msg + f"that is past the models' window ({self.window} positions): shorten the prompt "
-                                   "or lower max_new_tokens")
-        raise ValueError(msg + f"export again with a larger --max-len (spec-graph export --max-len {need} or "
-                               "more), or shorten the prompt or lower max_new_tokens")
-
-    def _new_kv_caches(self, rows: int, cache_len: int):
-        kv = self.metadata["kv_cache"]
-        make = lambda n: torch.zeros(kv[n]["shape"], dtype=getattr(torch, kv[n]["dtype"]),  # noqa: E731
-                                     device=self.device)
-        assert kv["target_k"]["shape"][1] == rows and kv["target_k"]["shape"][3] == cache_len
-        return (make("target_k"), make("target_v")), (make("draft_k"), make("draft_v"))
-
-    def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
-        with torch.inference_mode():  # the artifact assumes contiguous inputs: pos arrives as an expanded view
-            return self._prefill_fn(*self.weights, toks.contiguous(), pos.contiguous(), slots.contiguous(),
-                                    lens.contiguous(), pos[0].contiguous(), *self.draft_kv, *self.target_kv)
-
-    def _step_fn(self, greedy: bool, K: int | None = None):
-        if not greedy and not self.sampling:
-            raise self._no_sampling()
-
-        def one_step(st, out_buf, acc_log, stop_ids, draft_kv, target_kv):
-            B = st["tail"].shape[0]
-            fn = self._steps.get((greedy, B))
-            if fn is None:
-                raise ExportError(f"no exported step for batch {B}; exported batch sizes: {list(self.batch_sizes)}")
-            fn(*self.weights, *(st[k] for k in STATE_FIELDS), out_buf, acc_log, stop_ids, *draft_kv, *target_kv)
-        return one_step
-
-
-def load_exported(path, device: str | None = None, max_batch_size: int | None = None,
-                  enable_graph: bool | None = None, steps_per_graph: int = 1,
-                  admission_wait: int | None = None) -> ExportedRunner:
-    """Load an export written by ``spec-graph export``; imports no model code and reads no checkpoint.
-
-    ``max_batch_size`` (request slots) defaults to the largest exported batch
-    size and may not exceed it; ``admission_wait`` is ``SpecGraphConfig``'s.
-    Every member's sha256 is checked against the metadata before anything
-    is loaded (a damaged library would crash the process). On CUDA/NPU the
-    step is captured in a static graph per batch size unless
-    ``enable_graph=False``.
-    """
-    from safetensors.torch import load as st_load
-
-    path = Path(path)
-    meta = read_metadata(path)
-    want, built = (torch.device(device).type if device else meta["device"]), meta["device"]
-    if want != built:
-        raise ExportError(f"{path} was exported for device {built!r}, not {want!r}: run it on {built}, or export "
-                          f"again with --device {want}")
-    try:
-        plat = platform.get(built)
-    except ValueError as e:
-        raise ExportError(f"{path} was exported for device {built!r}, which this machine lacks ({e})") from None
-    sizes = meta["batch_sizes"]
-    S = sizes[-1] if max_batch_size is None else max_batch_size
-    if not is_int(S) or S < 1:
-        raise ExportError(f"max_batch_size (--max-batch-size) must be a positive integer (request slots, at most "
-                          f"{sizes[-1]} for this export), got {S!r}")
-    if S > sizes[-1]:
-        raise ExportError(f"max_batch_size (--max-batch-size) {S} is over the largest exported batch size "
-                          f"{sizes[-1]} (exported batch sizes: {', '.join(map(str, sizes))}); export again with "
-                          "larger --batch-sizes")
-    cfg = SpecGraphConfig(num_speculative_tokens=meta["num_speculative_tokens"], max_batch_size=int(S),
-                          max_len=meta["max_len"], dtype=meta["dtype"], device=built, batch_buckets=tuple(sizes),
-                          enable_graph=enable_graph, steps_per_graph=steps_per_graph, admission_wait=admission_wait)
-    use_graphs = plat.supports_graphs and enable_graph is not False
-    with zipfile.ZipFile(path) as z:
-        # Every file is checked before any is loaded: a library truncated inside an intact zip would kill the
-        # process (SIGBUS) with no message.
-        data = {}
-        for name in [WEIGHTS, *(a["file"] for a in meta["artifacts"].values()),
-                     *([TOKENIZER] if TOKENIZER in z.namelist() and TOKENIZER in meta["sha256"] else [])]:
-            data[name] = z.read(name)
-            if hashlib.sha256(data[name]).hexdigest() != meta["sha256"][name]:
-                what = "artifact " if name.startswith("aoti/") else ""
-                raise ExportError(f"{path} is damaged: {what}{name} does not match the sha256 its {META} records; "
-                                  "export it again")
-    tensors = st_load(data.pop(WEIGHTS))
-    names = meta["weights"]
-    if sorted(tensors) != sorted(names):
-        raise ExportError(f"{path} is corrupt: {WEIGHTS} does not hold the weights {META} names; export it again")
-    weights = tuple(tensors[n].to(plat.device) for n in names)
-    del tensors
-    tokenizer = None
-    if TOKENIZER in data:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(data.pop(TOKENIZER).decode())
-    workdir = tempfile.TemporaryDirectory(prefix="spec-graph-load-")
-    models = {}
-    for name, a in meta["artifacts"].items():
-        blob = data.pop(a["file"])
-        lib = _static_cxx_runtime(blob)
-        if lib is not None:
-            raise ExportError(f"{path}: artifact {a['file']} was built with libstdc++ linked statically into "
-                              f"{lib}, and loading it would crash this process; export it again with "
-                              "CXX set to a g++ that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++)")
-        dst = Path(workdir.name) / f"{name}.pt2"
-        dst.write_bytes(blob)
-        try:
-            models[name] = torch._inductor.aoti_load_package(str(dst), run_single_threaded=use_graphs)
-        except Exception as e:  # noqa: BLE001 - a broken artifact, whatever the loader raises
-            raise ExportError(f"{path}: artifact {a['file']} does not load ({type(e).__name__}: {e}); "
-                              "export it again") from None
-    steps = {(mode == "greedy", int(B)): models[name] for mode, per in meta["steps"].items() for B, name in per.items()}
-    return ExportedRunner(meta, weights, models["prefill"], steps, cfg, plat, tokenizer, workdir, path)
 
 
 __all__ = ["ExportError", "ExportedRunner", "check_output_path", "export_pair", "load_exported", "read_metadata"]
