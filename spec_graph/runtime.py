@@ -216,7 +216,8 @@ class DecoderBase(StepTimes):
         for i, p in enumerate(prompts):
             rows[i, : len(p)] = torch.tensor(p)
         top_k = min(params.top_k, self.vocab_size)  # the same filter; an int64 whatever top_k is
-        rows[:, T:] = torch.tensor([[len(p), s, m, seed, top_k] for p, s, m, seed in zip(prompts, slots, max_new, seeds)])
+        rows[:, T:] = torch.tensor([[len(p), s, m, seed, top_k]
+                                    for p, s, m, seed in zip(prompts, slots, max_new, seeds)])
         floats = torch.tensor([[max(params.temperature, 1e-5), params.top_p]] * n, dtype=torch.float32)
         rows, floats = rows.to(self.device), floats.to(self.device)
         upto = self._admitted(slots, [len(p) for p in prompts], max_new, T)
