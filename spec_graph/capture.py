@@ -8,6 +8,8 @@ arbitrary compiled function, keyed by its input shapes, for the
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from typing import Any, Callable
 
@@ -18,6 +20,24 @@ from . import platform as _platform
 log = logging.getLogger("spec_graph")
 
 WARMUP_RUNS = 2
+# Records per capture before the key runs uncaptured: a capture that fails for a passing cause (another thread's
+# CUDA call, say) holds the next time; uncaptured, a step runs about 25x slower.
+CAPTURE_TRIES = 2
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic garbage collection while a graph records. A collection there can destroy a graph that a
+    reference cycle kept (one of an engine dropped or recaptured before), and CUDA refuses that while a stream
+    captures: the capture fails (cudaErrorStreamCaptureInvalidated). torch's graph context no longer collects
+    before a capture (torch 2.9 and later)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class GraphSet:
@@ -25,8 +45,9 @@ class GraphSet:
 
     ``capture(key, fn)`` warms ``fn`` up, then records it. ``fn`` runs for real
     during warm-up, so capture only while its side effects are harmless (the
-    engine captures while every row is inactive). A capture that fails leaves
-    the key uncaptured and logs one warning; callers then run ``fn`` directly.
+    engine captures while every row is inactive). A record that fails is tried
+    again (CAPTURE_TRIES in all); a capture that still fails leaves the key
+    uncaptured and logs one warning; callers then run ``fn`` directly.
     """
 
     def __init__(self, plat: "_platform.Platform"):
@@ -48,16 +69,29 @@ class GraphSet:
                     fn()
             plat.join_stream(stream)
             plat.synchronize()
-            graph = plat.new_graph()
-            out = plat.record(graph, fn, pool=self.pool, stream=stream)
-            plat.synchronize()
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to the uncaptured path
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
-            return False
-        self.graphs[key] = graph
-        self.outputs[key] = out
-        return True
+        except Exception as e:  # noqa: BLE001 - fn itself fails: no capture can hold
+            return self._give_up(key, e)
+        for attempt in range(1, CAPTURE_TRIES + 1):
+            try:
+                with _collector_paused():
+                    graph = plat.new_graph()
+                    out = plat.record(graph, fn, pool=self.pool, stream=stream)
+                plat.synchronize()
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back to the uncaptured path
+                if attempt == CAPTURE_TRIES:
+                    return self._give_up(key, e)
+                log.info("spec-graph: capture %d of %r failed (%s: %s); capturing again", attempt, key,
+                         type(e).__name__, e)
+                continue
+            self.graphs[key] = graph
+            self.outputs[key] = out
+            return True
+        return False
+
+    def _give_up(self, key, e: BaseException) -> bool:
+        self.failed[key] = f"{type(e).__name__}: {e}"
+        log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
+        return False
 
     def replay(self, key):
         out = self.platform.replay(self.graphs[key])

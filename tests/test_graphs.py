@@ -1,6 +1,8 @@
 """Compiled and captured engine paths on CPU: compiled == eager tokens, N-step == 1-step,
 the platform seam (with a stand-in platform that records and replays), the oversized-batch
 fallback, and the backend's entry point."""
+import contextlib
+import gc
 import logging
 import re
 import subprocess
@@ -14,6 +16,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from helpers import FakePlatform, assert_every_count, fake_platform, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig, runtime
+from spec_graph import capture as capture_mod
 from spec_graph.capture import CapturedFunction, GraphSet
 from spec_graph.engine import prefill_models
 
@@ -196,6 +199,48 @@ def test_failed_capture_falls_back(llama_pair, eager_tokens, caplog):
         out = dec.generate(PROMPTS, 20)
     assert [r.token_ids for r in out] == eager_tokens
     assert dec.graphs.failed and any("capture" in r.getMessage() for r in caplog.records)
+
+
+def test_a_capture_records_with_the_collector_paused_and_tries_again():
+    """Automatic garbage collection is off while a graph records (a collection there can destroy a dropped graph
+    kept by a cycle, which invalidates the capture) and back on after. A record that fails once is tried again
+    and holds, warm-up run once; one that always fails gives up after CAPTURE_TRIES records with one warning.
+    The controls: with one try the first failure is final, and without the pause a record that never fails
+    otherwise fails its check of the collector."""
+    class Flaky(FakePlatform):
+        fails = 1
+
+        def record(self, graph, fn, pool=None, stream=None):
+            assert not gc.isenabled(), "the collector runs while a graph records"
+            super().record(graph, fn, pool, stream)
+            if self.fails:
+                self.fails -= 1
+                raise RuntimeError("operation failed due to a previous error during capture")
+
+    calls = []
+    fn = lambda: calls.append(1)  # noqa: E731
+    assert gc.isenabled()
+    plat = Flaky("cpu", [])
+    gs = GraphSet(plat)
+    assert gs.capture("k", fn, warmup=1) and "k" in gs and not gs.failed
+    assert gc.isenabled() and plat.events.count("record") == 2 and len(calls) == 1
+
+    plat = Flaky("cpu", [])
+    plat.fails = 10**6
+    gs = GraphSet(plat)
+    assert not gs.capture("k", fn, warmup=0) and "previous error" in gs.failed["k"]
+    assert plat.events.count("record") == capture_mod.CAPTURE_TRIES == 2 and gc.isenabled()
+
+    gs = GraphSet(Flaky("cpu", []))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capture_mod, "CAPTURE_TRIES", 1)
+        assert not gs.capture("k", fn, warmup=0)
+
+    plat = Flaky("cpu", [])
+    plat.fails = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capture_mod, "_collector_paused", contextlib.nullcontext)
+        assert not GraphSet(plat).capture("k", fn, warmup=0)
 
 
 def test_captured_function_runs_each_call_once():
