@@ -33,6 +33,7 @@ times (c) alone at contexts 512 / 4k / 16k / 32k for each max_len where they fit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -217,15 +218,8 @@ def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, b
     dec = SpecDecoder.from_pretrained(tdir, ddir, cfg)
     if fused is not None:
         dec.target.fused_layers, dec.draft.fused_layers = fused
-    orig = dec.graphs.capture
-
-    def capture(key, f, warmup=2):
-        ok = orig(key, f, warmup)
-        bar.step()
-        return ok
-
-    dec.graphs.capture = capture
-    dec._capture(True)
+    with counted_captures(dec.graphs, bar):
+        dec._capture(True)
     assert all((True, b, K) in dec.graphs for b in batch_sizes), dec.graphs.failed
     return dec
 
@@ -233,9 +227,20 @@ def build_decoder(tdir, ddir, batch_sizes, passes: dict, steps_per_graph: int, b
 def recapture(dec: SpecDecoder, steps_per_graph: int, bar: Bar) -> None:
     """Capture every bucket again with N steps per graph (the compiled step is reused)."""
     dec.reset_graphs(steps_per_graph)
-    orig = dec.graphs.capture
-    dec.graphs.capture = lambda key, f, warmup=2: (orig(key, f, warmup), bar.step())[0]
-    dec._capture(True)
+    with counted_captures(dec.graphs, bar):
+        dec._capture(True)
+
+
+@contextlib.contextmanager
+def counted_captures(graphs: GraphSet, bar: Bar):
+    """Each capture of `graphs` steps `bar`. The wrapper holds the set, so it goes when done: left in place, a
+    dropped set (and its graphs) would wait in a reference cycle for the garbage collector."""
+    orig = graphs.capture
+    graphs.capture = lambda key, f, warmup=2: (orig(key, f, warmup), bar.step())[0]
+    try:
+        yield
+    finally:
+        del graphs.capture
 
 
 # ----------------------------------------------------------------- (e) target-only decode

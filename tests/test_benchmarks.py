@@ -225,3 +225,41 @@ def test_bench_adaptive_chooser_variants_parse_and_take_their_settings():
     with bench_adaptive.chooser_as(decay=0.8, explore_rows=3):
         assert adaptive.EXPLORE_ROWS == 3 != was and runtime.KChooser((1, 2)).decay == 0.8
     assert adaptive.EXPLORE_ROWS == was and runtime.KChooser is adaptive.KChooser
+
+
+def test_counted_captures_step_the_bar_and_leave_no_cycle():
+    """bench_step's capture counter steps its bar once per capture and then leaves the set as it was, so a
+    dropped set goes at once, not at some later collection that could run inside another capture. The control:
+    the wrapper left in place keeps the set alive in a cycle."""
+    import gc
+    import weakref
+
+    from helpers import fake_platform
+    from spec_graph.capture import GraphSet
+
+    class Bar:
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    bar, gs = Bar(), GraphSet(fake_platform())
+    with bench_step.counted_captures(gs, bar):
+        assert gs.capture("a", lambda: None, warmup=0) and gs.capture("b", lambda: None, warmup=0)
+    assert bar.steps == 2 and "capture" not in vars(gs)
+    def wrap(graphs):  # the wrapper, never removed
+        orig = graphs.capture
+        graphs.capture = lambda key, f, warmup=2: orig(key, f, warmup)
+
+    left = GraphSet(fake_platform())
+    wrap(left)
+    refs = weakref.ref(gs), weakref.ref(left)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del gs, left
+        assert refs[0]() is None and refs[1]() is not None
+    finally:
+        if was:
+            gc.enable()
+        gc.collect()
