@@ -41,7 +41,8 @@ def _collector_paused():
 
 
 class GraphSet:
-    """Graphs keyed by (e.g.) batch bucket, sharing one memory pool.
+    """Graphs keyed by (e.g.) batch bucket, sharing one memory pool (a failed record moves the set to a fresh
+    one).
 
     ``capture(key, fn)`` warms ``fn`` up, then records it. ``fn`` runs for real
     during warm-up, so capture only while its side effects are harmless (the
@@ -70,26 +71,32 @@ class GraphSet:
             plat.join_stream(stream)
             plat.synchronize()
         except Exception as e:  # noqa: BLE001 - fn itself fails: no capture can hold
-            return self._give_up(key, e)
-        for attempt in range(1, CAPTURE_TRIES + 1):
+            return self._give_up(key, e, e)
+        first = None
+        tries = max(1, CAPTURE_TRIES)
+        for attempt in range(1, tries + 1):
             try:
                 with _collector_paused():
                     graph = plat.new_graph()
                     out = plat.record(graph, fn, pool=self.pool, stream=stream)
                 plat.synchronize()
             except Exception as e:  # noqa: BLE001 - any capture failure falls back to the uncaptured path
-                if attempt == CAPTURE_TRIES:
-                    return self._give_up(key, e)
+                first = first or e
+                # A fresh pool for what follows: a failed capture can leave its pool unusable for the next one.
+                self.pool = plat.graph_pool()
+                if attempt == tries:
+                    return self._give_up(key, first, e)
                 log.info("spec-graph: capture %d of %r failed (%s: %s); capturing again", attempt, key,
                          type(e).__name__, e)
                 continue
             self.graphs[key] = graph
             self.outputs[key] = out
             return True
-        return False
 
-    def _give_up(self, key, e: BaseException) -> bool:
-        self.failed[key] = f"{type(e).__name__}: {e}"
+    def _give_up(self, key, first: BaseException, last: BaseException) -> bool:
+        self.failed[key] = f"{type(first).__name__}: {first}"
+        if str(last) != str(first):
+            self.failed[key] += f"; then {type(last).__name__}: {last}"
         log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
         return False
 

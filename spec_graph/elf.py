@@ -1,4 +1,5 @@
-"""The shared libraries an ELF shared object links (its DT_NEEDED entries), read from its bytes."""
+"""The shared libraries an ELF shared object links (its DT_NEEDED entries), read from its bytes, and the check
+for an AOTInductor library built with its own (static) libstdc++."""
 from __future__ import annotations
 
 import io

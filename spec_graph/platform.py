@@ -110,9 +110,26 @@ class Platform:
         return self._mod.Stream() if self._mod is not None else None
 
     def record(self, graph, fn, pool=None, stream=None):
-        """Record the work `fn()` issues into `graph` (nothing runs); return fn's static outputs."""
-        with self._need_graphs().graph(graph, pool=pool, stream=stream):
-            return fn()
+        """Record the work `fn()` issues into `graph` (nothing runs); return fn's static outputs. A record that
+        fails leaves the device as it found it (_abandon_capture)."""
+        mod = self._need_graphs()
+        before = mod.current_stream()
+        try:
+            with mod.graph(graph, pool=pool, stream=stream):
+                return fn()
+        except BaseException:
+            self._abandon_capture(graph, before)
+            raise
+
+    def _abandon_capture(self, graph, before) -> None:
+        """After a failed capture torch leaves the capture's stream current and, where the capture was
+        invalidated, its memory pool marked as recording, so that any later capture into that pool fails
+        ("already recording to mempool_id"). Both undone here."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None) if self.name == "cuda" else None
+        if end is not None:
+            with contextlib.suppress(RuntimeError):  # torch ended the recording itself
+                end(self._mod.current_device(), graph.pool())
+        self._mod.set_stream(before)
 
     def replay(self, graph) -> None:
         graph.replay()

@@ -202,13 +202,13 @@ def test_norm_sums_any_block(norm_block, unroll, monkeypatch):
     _require_kernel()
     monkeypatch.setattr(_ll, "NORM_BLOCK_K", norm_block)
     monkeypatch.setattr(_ll, "NORM_UNROLL", unroll)
-    steps = _record_launches(monkeypatch, "NORM_BLOCK")
+    steps = _record_launches(monkeypatch, "NORM_BLOCK", "NORM_UNROLL")
     g = torch.Generator().manual_seed(5)
     x, w, b, nw = _dev(*_inputs(1, 3, 96, 40, torch.float32, False, True, g))
     x = x * 0.05  # sums of squares near eps: a wrong one shows
     with launch(True, 16, 32):
         got = decode_gate_up(x, w, b, nw, 1e-3)
-    assert steps == [(min(norm_block, 128),)]
+    assert steps == [(min(norm_block, 128), unroll)]
     assert _close(got, decode_gate_up_ref(x, w, b, nw, 1e-3), torch.float32)
     assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
 

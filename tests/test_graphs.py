@@ -201,14 +201,19 @@ def test_failed_capture_falls_back(llama_pair, eager_tokens, caplog):
     assert dec.graphs.failed and any("capture" in r.getMessage() for r in caplog.records)
 
 
-def test_a_capture_records_with_the_collector_paused_and_tries_again():
+def test_a_capture_records_with_the_collector_paused_and_tries_again(caplog):
     """Automatic garbage collection is off while a graph records (a collection there can destroy a dropped graph
     kept by a cycle, which invalidates the capture) and back on after. A record that fails once is tried again
-    and holds, warm-up run once; one that always fails gives up after CAPTURE_TRIES records with one warning.
+    and holds, warm-up run once, in a fresh pool; one that always fails gives up after CAPTURE_TRIES records
+    with one warning.
     The controls: with one try the first failure is final, and without the pause a record that never fails
     otherwise fails its check of the collector."""
     class Flaky(FakePlatform):
         fails = 1
+
+        def graph_pool(self):
+            self.events.append("pool")
+            return super().graph_pool()
 
         def record(self, graph, fn, pool=None, stream=None):
             assert not gc.isenabled(), "the collector runs while a graph records"
@@ -222,14 +227,21 @@ def test_a_capture_records_with_the_collector_paused_and_tries_again():
     assert gc.isenabled()
     plat = Flaky("cpu", [])
     gs = GraphSet(plat)
-    assert gs.capture("k", fn, warmup=1) and "k" in gs and not gs.failed
+    with caplog.at_level(logging.INFO, logger="spec_graph"):
+        assert gs.capture("k", fn, warmup=1) and "k" in gs and not gs.failed
     assert gc.isenabled() and plat.events.count("record") == 2 and len(calls) == 1
+    assert plat.events.count("pool") == 2  # the set's first pool, then a fresh one after the failed record
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("capturing again" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
 
     plat = Flaky("cpu", [])
     plat.fails = 10**6
     gs = GraphSet(plat)
-    assert not gs.capture("k", fn, warmup=0) and "previous error" in gs.failed["k"]
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        assert not gs.capture("k", fn, warmup=0) and "previous error" in gs.failed["k"]
     assert plat.events.count("record") == capture_mod.CAPTURE_TRIES == 2 and gc.isenabled()
+    assert sum("runs uncaptured" in r.getMessage() for r in caplog.records) == 1
 
     gs = GraphSet(Flaky("cpu", []))
     with pytest.MonkeyPatch.context() as mp:
@@ -241,6 +253,71 @@ def test_a_capture_records_with_the_collector_paused_and_tries_again():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(capture_mod, "_collector_paused", contextlib.nullcontext)
         assert not GraphSet(plat).capture("k", fn, warmup=0)
+
+
+def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeypatch):
+    """torch's graph context, when its capture was invalidated, raises from capture_end with the capture's stream
+    still current and its pool still marked as recording (the next capture into it would fail). The platform's
+    record restores the stream and ends the pool's recording, then raises the capture's own error; a record that
+    holds ends nothing. The control: without the clean-up the stream stays switched."""
+    from spec_graph.platform import Platform
+
+    class Graph:
+        def pool(self):
+            return (7, 0)
+
+    class Mod:
+        fail = True
+
+        def __init__(self):
+            self.stream = "default"
+
+        def current_stream(self):
+            return self.stream
+
+        def set_stream(self, s):
+            self.stream = s
+
+        def current_device(self):
+            return 3
+
+        @contextlib.contextmanager
+        def graph(self, graph, pool=None, stream=None):
+            self.stream = stream
+            yield
+            if self.fail:  # capture_end
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            self.stream = "default"
+
+    mod = Mod()
+
+    class Stub(Platform):
+        @property
+        def _mod(self):
+            return mod
+
+    ended = []
+
+    def end(device, pool):
+        ended.append((device, pool))
+        if len(ended) > 1:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    plat = Stub("cuda")
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
+    assert mod.stream == "default" and ended == [(3, (7, 0))]
+    with pytest.raises(RuntimeError, match="previous error during capture"):  # torch had ended it: no new error
+        plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
+    mod.fail = False
+    assert plat.record(Graph(), lambda: 5, pool=(7, 0), stream="side") == 5 and len(ended) == 2
+
+    mod.fail, mod.stream = True, "default"
+    monkeypatch.setattr(Stub, "_abandon_capture", lambda *a: None)
+    with pytest.raises(RuntimeError):
+        plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
+    assert mod.stream == "side"
 
 
 def test_captured_function_runs_each_call_once():

@@ -363,7 +363,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         BLOCK_M=max(16, block_for(rows)) if dot else block_for(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, SPLIT_K=split,
         NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
-        NORM_UNROLL=launch.NORM_UNROLL,
+        NORM_UNROLL=max(1, launch.NORM_UNROLL),
         ONE_STEP=launch.one_step(dot, split, K, block_k), CHOOSE=choose, MERGE=MERGE_BLOCK)
     if choose:
         return ids.view(*x.shape[:-1], 2)
