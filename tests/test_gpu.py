@@ -259,3 +259,45 @@ def test_recorded_eager_step_and_prefills_equal_eager(eager_bf16):
     assert [r.token_ids for r in out] == eager_bf16
     assert set(dec.graphs.graphs) == {(True, 4, 4)} and not dec.graphs.failed
     assert dec.prefill_graphs.graphs and not dec.prefill_graphs.failed
+
+
+def test_an_invalidated_capture_is_tried_again_and_spoils_nothing(monkeypatch):
+    """A record whose first try makes a call CUDA refuses while a stream captures (a synchronize) is invalidated,
+    and torch raises from capture_end with the capture's stream current and its pool still recording. The set
+    tries again and holds; the default stream is current again; the next key captures too; the replay runs the
+    work once. The control: without the platform's clean-up that pool refuses every later capture."""
+    import contextlib
+
+    from spec_graph import platform
+    from spec_graph.capture import GraphSet
+
+    plat = platform.get("cuda")
+    x = torch.zeros(4, device="cuda")
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 2:  # the warm-up is the first call, the first record the second
+            torch.cuda.synchronize()
+        x.add_(1)
+
+    before = torch.cuda.current_stream()
+    gs = GraphSet(plat)
+    assert gs.capture("a", fn, warmup=1), gs.failed
+    assert torch.cuda.current_stream() == before and len(calls) == 3
+    assert gs.capture("b", lambda: x.mul_(2), warmup=0), gs.failed
+    gs.replay("a")
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
+
+    pool = plat.graph_pool()
+    calls[:] = [1]  # the next call synchronizes
+    with monkeypatch.context() as mp:
+        mp.setattr(platform.Platform, "_abandon_capture", lambda self, graph, prev: self._mod.set_stream(prev))
+        with pytest.raises(RuntimeError):
+            plat.record(plat.new_graph(), fn, pool=pool, stream=plat.new_stream())
+        with pytest.raises(RuntimeError, match="already recording"):
+            plat.record(plat.new_graph(), lambda: x.add_(1), pool=pool, stream=plat.new_stream())
+    with contextlib.suppress(RuntimeError):
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    assert torch.cuda.current_stream() == before
