@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -25,19 +26,30 @@ WARMUP_RUNS = 2
 CAPTURE_TRIES = 2
 
 
+_pause_lock = threading.Lock()
+_pauses = 0  # records under way (threads may capture at once); the collector runs again when the last ends
+_collector_was_on = False
+
+
 @contextlib.contextmanager
 def _collector_paused():
     """No automatic garbage collection while a graph records. A collection there can destroy a graph that a
     reference cycle kept (one of an engine dropped or recaptured before), and CUDA refuses that while a stream
     captures: the capture fails (cudaErrorStreamCaptureInvalidated). torch's graph context no longer collects
     before a capture (torch 2.9 and later)."""
-    was = gc.isenabled()
-    gc.disable()
+    global _pauses, _collector_was_on
+    with _pause_lock:
+        if _pauses == 0:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _collector_was_on:
+                gc.enable()
 
 
 class GraphSet:

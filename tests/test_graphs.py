@@ -255,6 +255,41 @@ def test_a_capture_records_with_the_collector_paused_and_tries_again(caplog):
         assert not GraphSet(plat).capture("k", fn, warmup=0)
 
 
+def test_overlapping_pauses_of_the_collector_end_with_the_last():
+    """Two records under way at once (two threads): the first to end leaves the collector off until the other
+    ends; a collector that was off before stays off. The control: a pause that restores what it saw at its
+    start turns the collector on under the other record."""
+    assert gc.isenabled()
+    first, second = capture_mod._collector_paused(), capture_mod._collector_paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with capture_mod._collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    @contextlib.contextmanager
+    def naive():  # the control
+        was = gc.isenabled()
+        gc.disable()
+        yield
+        if was:
+            gc.enable()
+    first, second = naive(), naive()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.isenabled()  # on again while the second record is still under way
+    second.__exit__(None, None, None)
+
+
 def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeypatch):
     """torch's graph context, when its capture was invalidated, raises from capture_end with the capture's stream
     still current and its pool still marked as recording (the next capture into it would fail). The platform's
