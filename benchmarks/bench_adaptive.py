@@ -376,9 +376,9 @@ def report(res, notes, errors, a, dev_name, elapsed) -> list[str]:
     L = report_head("bench_adaptive", "bench_adaptive.py", dev_name) + [
          f"- embedded default pair, max_len {MAX_LEN}, {a.max_new_tokens} new tokens, steps_per_graph "
          f"{a.steps_per_graph}; prompts per B: {dict(zip(a.batch_sizes, a.prompts))}; workloads (i) stdlib "
-         f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {_calls(res, a)} timed generate "
-         f"calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; spread: (max - "
-         f"min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
+         f"held-out, (ii) random bytes, (iii) the two alternating; tok/s: the median of {_calls(res, a)} timed "
+         f"generate calls (seeds {SEED}..{SEED + a.repeats - 1}, prefills included), each after an untimed one; "
+         f"spread: (max - min) / median over those calls; runs on one engine take turns seed by seed; one bucket "
          f"(B) per engine; ms/replay: the timed call's wall time per graph replay (its prefills included); "
          f"prefills/call: prefill forwards per call (median); "
          + ("fixed K: the auto engine with its choice pinned to K; " if a.pin_in_auto else "")

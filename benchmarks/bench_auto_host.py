@@ -86,7 +86,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-k", type=int, default=8, help="max_speculative_tokens (K choices: 1, 2, 3, 4, 6, 8 up to it)")
+    ap.add_argument("--max-k", type=int, default=8,
+                    help="max_speculative_tokens (K choices: 1, 2, 3, 4, 6, 8 up to it)")
     ap.add_argument("--fixed", default="1,4")
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -328,7 +328,8 @@ def train(
             tag = " *"
         extra = f" agree={agree:.4f}" if agree is not None else ""
         print(
-            f"[{name}] step {step:6d} t={time.time() - t0:7.1f}s val_ce={ce:.4f} ({ce / math.log(2):.3f} bits/byte){extra}{tag}",
+            f"[{name}] step {step:6d} t={time.time() - t0:7.1f}s val_ce={ce:.4f} "
+            f"({ce / math.log(2):.3f} bits/byte){extra}{tag}",
             flush=True,
         )
 
@@ -363,7 +364,8 @@ def train(
         step += 1
         if step % args.log_every == 0:
             print(
-                f"[{name}] step {step:6d} t={time.time() - t0:7.1f}s lr={cur_lr:.2e} loss={loss.item():.4f} ce={ce.item():.4f}",
+                f"[{name}] step {step:6d} t={time.time() - t0:7.1f}s lr={cur_lr:.2e} loss={loss.item():.4f} "
+                f"ce={ce.item():.4f}",
                 flush=True,
             )
         if step % args.eval_every == 0:
@@ -485,7 +487,8 @@ def measure_acceptance(target_dir, draft_dir, val_docs, args, device):
     rate = tot_a / max(tot_p, 1)
     print(
         f"[accept] K={args.k}: accepted {tot_a} / proposed {tot_p} = {rate:.4f} over {len(prompts)} held-out prompts "
-        f"({args.accept_new_tokens} new tokens each; mean per-prompt {np.mean(per_prompt):.4f}; {time.time() - t0:.1f}s)",
+        f"({args.accept_new_tokens} new tokens each; mean per-prompt {np.mean(per_prompt):.4f}; "
+        f"{time.time() - t0:.1f}s)",
         flush=True,
     )
     sample = target_greedy(target, list(b"def "), args.sample_tokens, device)
@@ -658,7 +661,8 @@ def main(argv=None):
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: summary[k] for k in ("params", "reloaded_fp16_val_ce", "acceptance", "sizes_bytes", "total_wall_s")}, indent=2))
+    shown = ("params", "reloaded_fp16_val_ce", "acceptance", "sizes_bytes", "total_wall_s")
+    print(json.dumps({k: summary[k] for k in shown}, indent=2))
     print(f"files: {sorted(str(p.relative_to(out)) for p in out.rglob('*') if p.is_file())}")
     print(f"total size {sum(sizes.values()) / 1e6:.2f} MB; total wall {time.time() - t_start:.1f}s", flush=True)
 
