@@ -83,7 +83,7 @@ class GraphSet:
             plat.join_stream(stream)
             plat.synchronize()
         except Exception as e:  # noqa: BLE001 - fn itself fails: no capture can hold
-            return self._give_up(key, e, e)
+            return self._give_up(key, e)
         first = None
         tries = max(1, CAPTURE_TRIES)
         for attempt in range(1, tries + 1):
@@ -105,9 +105,9 @@ class GraphSet:
             self.outputs[key] = out
             return True
 
-    def _give_up(self, key, first: BaseException, last: BaseException) -> bool:
+    def _give_up(self, key, first: BaseException, last: BaseException | None = None) -> bool:
         self.failed[key] = f"{type(first).__name__}: {first}"
-        if str(last) != str(first):
+        if last is not None and str(last) != str(first):
             self.failed[key] += f"; then {type(last).__name__}: {last}"
         log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
         return False
