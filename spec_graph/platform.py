@@ -118,17 +118,19 @@ class Platform:
             with mod.graph(graph, pool=pool, stream=stream):
                 return fn()
         except BaseException:
-            self._abandon_capture(graph, before)
+            self._abandon_capture(pool, before)
             raise
 
-    def _abandon_capture(self, graph, before) -> None:
+    def _abandon_capture(self, pool, before) -> None:
         """After a failed capture torch leaves the capture's stream current and, where the capture was
         invalidated, its memory pool marked as recording, so that any later capture into that pool fails
-        ("already recording to mempool_id"). Both undone here."""
+        ("already recording to mempool_id"). Both undone here. The pool is the one the caller shared (a failed
+        graph cannot name its own: torch's ``graph.pool()`` needs a capture that ended); a pool torch made for
+        the graph alone is never captured into again."""
         end = getattr(torch._C, "_cuda_endAllocateToPool", None) if self.name == "cuda" else None
-        if end is not None:
+        if end is not None and pool is not None:
             with contextlib.suppress(RuntimeError):  # torch ended the recording itself
-                end(self._mod.current_device(), graph.pool())
+                end(self._mod.current_device(), pool)
         self._mod.set_stream(before)
 
     def replay(self, graph) -> None:

@@ -293,7 +293,7 @@ def test_an_invalidated_capture_is_tried_again_and_spoils_nothing(monkeypatch):
     pool = plat.graph_pool()
     calls[:] = [1]  # the next call synchronizes
     with monkeypatch.context() as mp:
-        mp.setattr(platform.Platform, "_abandon_capture", lambda self, graph, prev: self._mod.set_stream(prev))
+        mp.setattr(platform.Platform, "_abandon_capture", lambda self, pool, prev: self._mod.set_stream(prev))
         with pytest.raises(RuntimeError):
             plat.record(plat.new_graph(), fn, pool=pool, stream=plat.new_stream())
         with pytest.raises(RuntimeError, match="already recording"):

@@ -294,12 +294,13 @@ def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeyp
     """torch's graph context, when its capture was invalidated, raises from capture_end with the capture's stream
     still current and its pool still marked as recording (the next capture into it would fail). The platform's
     record restores the stream and ends the pool's recording, then raises the capture's own error; a record that
-    holds ends nothing. The control: without the clean-up the stream stays switched."""
+    holds ends nothing, nor does one into a pool torch made for the graph alone. The control: without the
+    clean-up the stream stays switched."""
     from spec_graph.platform import Platform
 
     class Graph:
-        def pool(self):
-            return (7, 0)
+        def pool(self):  # as torch's: a graph whose capture did not end cannot name its pool
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
 
     class Mod:
         fail = True
@@ -347,6 +348,10 @@ def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeyp
         plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
     mod.fail = False
     assert plat.record(Graph(), lambda: 5, pool=(7, 0), stream="side") == 5 and len(ended) == 2
+    mod.fail = True
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        plat.record(Graph(), lambda: 1, pool=None, stream="side")
+    assert mod.stream == "default" and len(ended) == 2
 
     mod.fail, mod.stream = True, "default"
     monkeypatch.setattr(Stub, "_abandon_capture", lambda *a: None)
