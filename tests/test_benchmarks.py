@@ -247,6 +247,7 @@ def test_counted_captures_step_the_bar_and_leave_no_cycle():
     with bench_step.counted_captures(gs, bar):
         assert gs.capture("a", lambda: None, warmup=0) and gs.capture("b", lambda: None, warmup=0)
     assert bar.steps == 2 and "capture" not in vars(gs)
+
     def wrap(graphs):  # the wrapper, never removed
         orig = graphs.capture
         graphs.capture = lambda key, f, warmup=2: orig(key, f, warmup)
