@@ -122,16 +122,29 @@ class Platform:
             raise
 
     def _abandon_capture(self, pool, before) -> None:
-        """After a failed capture torch leaves the capture's stream current and, where the capture was
-        invalidated, its memory pool marked as recording, so that any later capture into that pool fails
-        ("already recording to mempool_id"). Both undone here. The pool is the one the caller shared (a failed
-        graph cannot name its own: torch's ``graph.pool()`` needs a capture that ended); a pool torch made for
-        the graph alone is never captured into again."""
+        """After a failed capture torch leaves the capture's stream current, the device's random generator in
+        graph mode and, where the capture was invalidated, its memory pool marked as recording, so that any later
+        capture into that pool fails ("already recording to mempool_id"). All undone here. The pool is the one
+        the caller shared (a failed graph cannot name its own: torch's ``graph.pool()`` needs a capture that
+        ended); a pool torch made for the graph alone is never captured into again."""
         end = getattr(torch._C, "_cuda_endAllocateToPool", None) if self.name == "cuda" else None
         if end is not None and pool is not None:
             with contextlib.suppress(RuntimeError):  # torch ended the recording itself
                 end(self._mod.current_device(), pool)
         self._mod.set_stream(before)
+        if self.name == "cuda":
+            self._end_generator_capture()
+
+    def _end_generator_capture(self) -> None:
+        """torch (2.11 at least) puts the device's random generator in graph mode when a capture begins and
+        takes it out only when a capture ends; after a failed one every eager random op raises ("Offset increment
+        outside graph capture encountered unexpectedly"), vLLM's sampler too. A capture that ends, of work that
+        draws nothing, takes it out and leaves the generator's offset as it was."""
+        graph = self._mod.CUDAGraph()
+        with contextlib.suppress(RuntimeError):
+            with self._mod.graph(graph):
+                torch.empty(1, device=torch.device("cuda", self._mod.current_device())).zero_()
+        graph.reset()
 
     def replay(self, graph) -> None:
         graph.replay()

@@ -300,4 +300,53 @@ def test_an_invalidated_capture_is_tried_again_and_spoils_nothing(monkeypatch):
             plat.record(plat.new_graph(), lambda: x.add_(1), pool=pool, stream=plat.new_stream())
     with contextlib.suppress(RuntimeError):
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    plat._end_generator_capture()  # the control's failure left the generator in graph mode
     assert torch.cuda.current_stream() == before
+    torch.rand(1, device="cuda")
+
+
+def test_a_capture_that_fails_on_every_try_leaves_the_generator_as_it_was(monkeypatch):
+    """torch puts the device's random generator in graph mode when a capture begins and takes it out only when a
+    capture ends. After a record that fails on both tries, eager random ops run, draw what they would have drawn
+    without the record, and a captured one runs too. The control: without the platform's generator capture the
+    eager op raises (on a torch that leaves the mode on)."""
+    from spec_graph import platform
+    from spec_graph.capture import GraphSet
+
+    plat = platform.get("cuda")
+    calls = []
+
+    def fn():
+        calls.append(1)
+        torch.rand(4, device="cuda")
+        if len(calls) > 1:  # every record synchronizes, so every try is invalidated
+            torch.cuda.synchronize()
+
+    torch.manual_seed(5)
+    torch.rand(4, device="cuda")  # the warm-up's draw
+    expected = torch.rand(8, device="cuda")
+    torch.manual_seed(5)
+    gs = GraphSet(plat)
+    assert not gs.capture("a", fn, warmup=1) and "a" in gs.failed and len(calls) == 3
+    assert torch.equal(torch.rand(8, device="cuda"), expected)
+    graph = plat.new_graph()
+    y = plat.record(graph, lambda: torch.rand(4, device="cuda"), pool=None, stream=plat.new_stream())
+    plat.replay(graph)
+    first = y.clone()
+    plat.replay(graph)
+    torch.cuda.synchronize()
+    assert not torch.equal(first, y)
+
+    calls.clear()
+    with monkeypatch.context() as mp:
+        mp.setattr(platform.Platform, "_end_generator_capture", lambda self: None)
+        assert not GraphSet(plat).capture("a", fn, warmup=1)
+    try:
+        torch.rand(1, device="cuda")
+        left_on = False
+    except RuntimeError as e:
+        left_on = "outside graph capture" in str(e)
+    plat._end_generator_capture()
+    torch.rand(1, device="cuda")
+    if not left_on:
+        pytest.skip("this torch takes the generator out of graph mode after a failed capture itself")

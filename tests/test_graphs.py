@@ -292,9 +292,10 @@ def test_overlapping_pauses_of_the_collector_end_with_the_last():
 
 def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeypatch):
     """torch's graph context, when its capture was invalidated, raises from capture_end with the capture's stream
-    still current and its pool still marked as recording (the next capture into it would fail). The platform's
-    record restores the stream and ends the pool's recording, then raises the capture's own error; a record that
-    holds ends nothing, nor does one into a pool torch made for the graph alone. The control: without the
+    still current, its pool still marked as recording (the next capture into it would fail) and the generator in
+    graph mode. The platform's record restores the stream, ends the pool's recording and captures once more, to
+    take the generator out of graph mode, then raises the capture's own error; a record that holds ends nothing,
+    nor does one into a pool torch made for the graph alone. The control: without the
     clean-up the stream stays switched."""
     from spec_graph.platform import Platform
 
@@ -305,8 +306,13 @@ def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeyp
     class Mod:
         fail = True
 
+        class CUDAGraph:  # the clean-up's own capture, which takes the generator out of graph mode
+            def reset(self):
+                mod.generator_captures.append("reset")
+
         def __init__(self):
             self.stream = "default"
+            self.generator_captures = []
 
         def current_stream(self):
             return self.stream
@@ -319,6 +325,10 @@ def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeyp
 
         @contextlib.contextmanager
         def graph(self, graph, pool=None, stream=None):
+            if isinstance(graph, Mod.CUDAGraph):
+                yield
+                self.generator_captures.append("ended")
+                return
             self.stream = stream
             yield
             if self.fail:  # capture_end
@@ -340,18 +350,21 @@ def test_a_failed_record_leaves_the_stream_and_the_pool_as_it_found_them(monkeyp
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1))  # the generator capture's work
     plat = Stub("cuda")
     with pytest.raises(RuntimeError, match="previous error during capture"):
         plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
     assert mod.stream == "default" and ended == [(3, (7, 0))]
+    assert mod.generator_captures == ["ended", "reset"]
     with pytest.raises(RuntimeError, match="previous error during capture"):  # torch had ended it: no new error
         plat.record(Graph(), lambda: 1, pool=(7, 0), stream="side")
     mod.fail = False
     assert plat.record(Graph(), lambda: 5, pool=(7, 0), stream="side") == 5 and len(ended) == 2
+    assert len(mod.generator_captures) == 4  # a record that holds needs none
     mod.fail = True
     with pytest.raises(RuntimeError, match="previous error during capture"):
         plat.record(Graph(), lambda: 1, pool=None, stream="side")
-    assert mod.stream == "default" and len(ended) == 2
+    assert mod.stream == "default" and len(ended) == 2 and len(mod.generator_captures) == 6
 
     mod.fail, mod.stream = True, "default"
     monkeypatch.setattr(Stub, "_abandon_capture", lambda *a: None)
