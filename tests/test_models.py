@@ -151,6 +151,68 @@ def test_fields_left_out_default_as_hugging_face_does(arch, extra):
     assert args.max_position_embeddings == hf.max_position_embeddings
 
 
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")
+
+
+def _hf_shape(c) -> tuple:
+    """The shape fields as transformers' model uses them (its attention takes head_dim, else hidden // heads)."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+            c.num_key_value_heads, head_dim)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("left_out", [(f,) for f in SHAPE_FIELDS] + [SHAPE_FIELDS], ids=[*SHAPE_FIELDS, "all"])
+def test_shape_fields_left_out_default_as_hugging_face_does(arch, left_out):
+    """Each shape field config.json leaves out takes its value from transformers' class of that architecture: a
+    fixed number (Mistral's 8 kv heads, Qwen's 32, Qwen3's head_dim 128) or one computed from other fields (Llama's
+    kv heads = heads). Every stated value differs from every default, so a wrong default cannot pass."""
+    import transformers
+
+    from spec_graph.models.config import ModelArgs
+
+    fields = dict(vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=64,
+                  num_key_value_heads=4, head_dim=8)
+    fields = {k: v for k, v in fields.items() if k not in left_out}
+    args = ModelArgs.from_hf_config(dict(fields, architectures=[arch]))
+    hf = getattr(transformers, HF_CLASSES[arch])(**fields)
+    assert (args.vocab_size, args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads,
+            args.num_kv_heads, args.head_dim) == _hf_shape(hf)
+
+
+# Per architecture: make_checkpoint's arguments (each left-out field at transformers' default for that class) and
+# the fields then removed from config.json: kv heads and head_dim, and a size field where the model stays small.
+LEFT_OUT = {
+    "LlamaForCausalLM": (dict(heads=4, kv_heads=4, intermediate_size=11008), ("num_key_value_heads", "head_dim",
+                                                                              "intermediate_size")),
+    "MistralForCausalLM": (dict(heads=16, kv_heads=8, vocab_size=32000), ("num_key_value_heads", "head_dim",
+                                                                          "vocab_size")),
+    "Qwen2ForCausalLM": (dict(heads=64, kv_heads=32, hidden_size=128, intermediate_size=22016),
+                         ("num_key_value_heads", "head_dim", "intermediate_size")),
+    "Qwen3ForCausalLM": (dict(heads=32, kv_heads=32, head_dim=128), ("num_key_value_heads", "num_attention_heads",
+                                                                     "head_dim")),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_leaving_out_fields_matches_hugging_face(tmp_path, arch):
+    """A checkpoint whose config.json leaves out kv heads, head_dim or a size field gives HF's logits (Mistral's
+    and Qwen's kv heads read as the attention heads made the weights' shapes a mismatch)."""
+    import transformers
+
+    kw, left_out = LEFT_OUT[arch]
+    path = make_checkpoint(tmp_path / arch, arch, init_std=0.05, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    built = _hf_shape(transformers.AutoConfig.from_pretrained(path))
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in left_out}))
+    assert _hf_shape(transformers.AutoConfig.from_pretrained(path)) == built  # HF reads the same model back
+    model = load_model(path, "float32")
+    toks = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    logits = model(toks, torch.arange(9)[None], *model.new_kv_cache(1, 16))[0]
+    torch.testing.assert_close(logits, _hf_logits(path, toks[0].tolist()), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
                                              ("mistral", "MistralForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_architecture_from_model_type(model_type, arch):

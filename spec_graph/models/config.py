@@ -25,13 +25,25 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # What Hugging Face's Llama config assumes when config.json states no max_position_embeddings.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
-# What each architecture's Hugging Face config class assumes for the fields config.json leaves out (a field
-# given as null is null: no sliding window).
+# What each architecture's Hugging Face config class assumes for the fields config.json leaves out (transformers
+# 5.19's configuration_{llama,mistral,qwen2,qwen3}.py; a static table: the runtime does not import transformers).
+# None is computed as the class's __post_init__ (or Qwen2's attention, which has no head_dim field) does:
+# num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads. A field given as null is
+# null: no sliding window. The fields not here default alike for all four (rms_norm_eps 1e-6, rope_theta 10000,
+# no biases or tied embeddings). eos_token_id is not here: Llama's and Mistral's classes say 2, but transformers'
+# generate() does not stop at it (its generation config, built without generation_config.json, has no EOS).
+_QWEN_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": None,
+                  "max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
 HF_DEFAULTS = {
-    "LlamaForCausalLM": {"max_position_embeddings": DEFAULT_MAX_POSITION_EMBEDDINGS},
-    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "LlamaForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+                         "head_dim": None, "max_position_embeddings": DEFAULT_MAX_POSITION_EMBEDDINGS},
+    "MistralForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                           "head_dim": None, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
 }
 # The architecture a config.json without 'architectures' has, by its model_type (as transformers' Auto classes)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -99,6 +111,7 @@ class ModelArgs:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         defaults = HF_DEFAULTS[arch]
+        given, cfg = cfg, {**defaults, **cfg}  # a field left out takes HF's value; null stays null
         act = cfg.get("hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"{where}: field 'hidden_act' is {act!r}; spec-graph's MLP computes "
@@ -114,11 +127,11 @@ class ModelArgs:
         head_dim = get_int("head_dim", default=hidden // heads)
         if heads % kv_heads:
             raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
-                             f"num_key_value_heads={kv_heads}")
+                             f"num_key_value_heads={kv_heads}{_left_out(given, arch, 'num_key_value_heads')}")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: field 'head_dim' (or hidden_size / num_attention_heads) must be an even "
-                             f"integer >= 2 for rotary embeddings, got {head_dim}")
-        window = get_int("max_position_embeddings", default=defaults["max_position_embeddings"])
+                             f"integer >= 2 for rotary embeddings, got {head_dim}{_left_out(given, arch, 'head_dim')}")
+        window = get_int("max_position_embeddings")
 
         theta, rope_scaling = _rope(cfg, where)
 
@@ -130,8 +143,7 @@ class ModelArgs:
         elif arch == "MistralForCausalLM":
             qkv_bias = o_bias = False
 
-        sliding = get_int("sliding_window", default=0, minimum=0) if "sliding_window" in cfg \
-            else defaults.get("sliding_window", 0)
+        sliding = get_int("sliding_window", default=0, minimum=0)
         if arch == "MistralForCausalLM":
             windows = tuple(sliding for _ in range(layers))
         elif cfg.get("use_sliding_window") and sliding:
@@ -172,6 +184,13 @@ class ModelArgs:
 
 
 # ---------------------------------------------------------------- field readers
+def _left_out(given: dict, arch: str, name: str) -> str:
+    """For an error on a value config.json does not state: where it came from."""
+    if name in given:
+        return ""
+    return f" (config.json leaves out {name!r}; Hugging Face's {arch.replace('ForCausalLM', 'Config')} assumes this)"
+
+
 def eos_token_ids(eos, where: str) -> list[int]:
     """An 'eos_token_id' field (of config.json or generation_config.json): a token id, a list of them, or null."""
     eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
