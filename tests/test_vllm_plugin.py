@@ -275,6 +275,44 @@ def test_draft_tp_unlike_the_targets_is_lifted_for_a_covered_draft():
         check_config(cfg)
 
 
+def test_buckets_above_max_num_seqs_are_refused():
+    """A bucket above max_num_seqs would pad every decode batch of its size range to rows that never come (and
+    capture a graph that large); refused at config time, naming max_num_seqs. Buckets within it pass."""
+    cfg = _stand_in_config()
+    cfg.scheduler_config = SimpleNamespace(max_num_seqs=4)
+    cfg.additional_config = {"enable_spec_graph": True, "spec_graph": {"batch_buckets": [1, 4, 20000]}}
+    with pytest.raises(ValueError, match=r"'batch_buckets'\] has \[20000\] above max_num_seqs=4"):
+        check_config(cfg)
+    cfg.additional_config["spec_graph"]["batch_buckets"] = [1, 4]
+    assert check_config(cfg).batch_buckets == (1, 4)
+
+
+def test_a_hub_id_draft_is_read_from_its_snapshot(models, tmp_path, monkeypatch):
+    """vLLM takes a draft by hub id; spec-graph reads that id's snapshot in the Hugging Face cache (offline here,
+    as vLLM's download_dir names it), and refuses at config time, naming the fix, an id with no snapshot."""
+    import shutil
+
+    import huggingface_hub
+
+    from spec_graph.vllm_plugin import covered_draft
+    from spec_graph.vllm_plugin.checkpoint import draft_dir
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    _, draft = models
+    repo = tmp_path / "models--local--tiny-draft"
+    shutil.copytree(draft, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    cfg = SimpleNamespace(model="local/tiny-draft", revision=None, architectures=["LlamaForCausalLM"])
+    assert draft_dir(cfg, str(tmp_path)) == str(repo / "snapshots" / "abc123")
+    covered, args = covered_draft(SimpleNamespace(draft_model_config=cfg), str(tmp_path))
+    assert covered and args is not None and args.vocab_size == 96
+    assert draft_dir(SimpleNamespace(model=str(draft)), str(tmp_path)) == str(draft)
+    cfg.model = "local/not-there"
+    with pytest.raises(ValueError, match="not a local directory .*`huggingface-cli download local/not-there`"):
+        covered_draft(SimpleNamespace(draft_model_config=cfg), str(tmp_path))
+
+
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "data_parallel_size"])
 def test_pipeline_and_data_parallelism_are_refused_with_the_flag(name):
     with pytest.raises(ValueError, match=f"does not support .* parallelism yet \\({name}=2\\)"):
@@ -863,21 +901,34 @@ def test_compiled_mode_runs_the_compiled_draft_chain(models, spec_graph_drafts_o
     assert len(used) >= 24 // (K + 1) and core.compile_chain  # every decode step, no fallback to eager
 
 
-def test_uncovered_draft_architecture_falls_back_to_vllms_drafter(models, tmp_path, tokenizer, caplog):
-    """A GPT-2 draft (not a Llama-family model): vLLM's own drafter with one warning; same greedy tokens."""
+@pytest.mark.parametrize("draft", ["gpt2", "llama_bin"])
+def test_uncovered_draft_falls_back_to_vllms_drafter(models, tmp_path, tokenizer, caplog, draft):
+    """A GPT-2 draft (not a Llama-family model), or a Llama draft stored as pytorch_model.bin alone (spec-graph
+    reads safetensors): vLLM's own drafter with one warning naming why; same greedy tokens."""
+    import shutil
+
     import transformers
+    from safetensors.torch import load_file
 
     from spec_graph.vllm_plugin import proposer
 
-    target, _ = models
-    cfg = transformers.GPT2Config(vocab_size=96, n_embd=128, n_layer=2, n_head=2, n_positions=512,
-                                  eos_token_id=1, bos_token_id=1)
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
-    tokenizer.save(str(tmp_path / "gpt2" / "tokenizer.json"))
+    target, llama_draft = models
+    if draft == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=128, n_layer=2, n_head=2, n_positions=512,
+                                      eos_token_id=1, bos_token_id=1)
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+        tokenizer.save(str(tmp_path / "gpt2" / "tokenizer.json"))
+        why = "GPT2LMHeadModel"
+    else:
+        shutil.copytree(llama_draft, tmp_path / draft)
+        for f in (tmp_path / draft).glob("*.safetensors"):
+            torch.save(load_file(f), tmp_path / draft / "pytorch_model.bin")
+            f.unlink()
+        why = "no *.safetensors weights"
     proposer._warned_fallback = False
     with caplog.at_level("WARNING", logger="spec_graph"):
-        llm = _llm(target, tmp_path / "gpt2", flag=True)
+        llm = _llm(target, tmp_path / draft, flag=True)
     try:
         d = _drafter(llm)
         assert isinstance(d, proposer.SpecGraphProposer) and d.fallback and d.core is None
@@ -886,7 +937,7 @@ def test_uncovered_draft_architecture_falls_back_to_vllms_drafter(models, tmp_pa
     finally:
         _shutdown(llm)
     warnings = [r for r in caplog.records if "drafting with vLLM's own DraftModelProposer" in r.getMessage()]
-    assert len(warnings) == 1 and "GPT2LMHeadModel" in warnings[0].getMessage()
+    assert len(warnings) == 1 and why in warnings[0].getMessage()
     assert drafted > 0
     for p, o in zip(PROMPTS, outs):
         assert o == hf_greedy(target, p, 12, eos=1)

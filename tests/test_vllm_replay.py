@@ -14,6 +14,7 @@ it through the captured draft graphs (a real CUDA graph or ACL graph, through
 """
 import json
 
+import numpy as np
 import pytest
 import torch
 from vllm_replay import DEFAULT_DIR, Fixture, new_core, record, replay
@@ -98,6 +99,53 @@ def test_live_length_attention_needs_no_cache_spans(fixture):
     assert len(used) >= 20 and all(used)
 
 
+@pytest.mark.parametrize("feed_tokens", [None, 8])
+def test_prefill_chunks_feed_before_the_chain(fixture, feed_tokens, monkeypatch):
+    """Rows of a prefill chunk (more tokens than K + 1) feed all but their last K + 1 tokens first, one prefill
+    forward each with one row of logits, so the chain's forwards stay [B, K + 2] and every step with a bucket
+    replays its static graph, prefill steps too; the drafts equal the recorded ones, which vLLM's runner got from
+    the chain over whole chunks. The control: chunks trimmed but not fed leave holes in the cache, and the
+    drafts differ. Fed FEED_TOKENS at a time (8 here), prefixes and chunks give the same drafts."""
+    from helpers import fake_platform
+
+    from spec_graph.vllm_plugin import proposer
+
+    if feed_tokens:  # prefixes and chunks fed in several forwards
+        monkeypatch.setattr(proposer, "FEED_TOKENS", feed_tokens)
+    m = fixture.meta
+    core = new_core(fixture, "cpu", buckets=(m["max_num_seqs"],), plat=fake_platform())
+    shapes, forward = [], core.model.forward
+
+    def recording(tokens, *a, logits_at=None, **k):
+        shapes.append((tokens.shape[1], logits_at is not None))
+        return forward(tokens, *a, logits_at=logits_at, **k)
+
+    core.model.forward = recording
+    used = _count_static_runs(core, "_run_captured")
+    _assert_same(replay(fixture, core))
+    steps = sum(1 for c in fixture.calls if c["fn"] == "propose" and c["req_ids"])
+    assert len(used) == steps and all(used)
+    assert max(T for T, one_row in shapes if not one_row) <= m["K"] + 2
+    assert max(T for T, one_row in shapes if one_row) == (feed_tokens or max(T for T, _ in shapes))
+    long_rows = [i for i, c in enumerate(fixture.calls) if c["fn"] == "propose"
+                 and max(np.diff(fixture.arrays[f"{i}.query_start_loc_cpu"]), default=0) > m["K"] + 1]
+    assert len(long_rows) >= 2
+
+    core = new_core(fixture, "cpu", plat=platform.Platform("cpu"))
+    feed = core._feed_long_rows
+
+    def trimmed_unfed(*a):
+        model, core.model = core.model, lambda *a, **k: None
+        try:
+            return feed(*a)
+        finally:
+            core.model = model
+
+    core._feed_long_rows = trimmed_unfed
+    with pytest.raises(AssertionError):
+        _assert_same(replay(fixture, core))
+
+
 @pytest.mark.gpu
 def test_gpu_captured_replay_equals_cpu(fixture):
     plat = platform.current()
@@ -106,12 +154,9 @@ def test_gpu_captured_replay_equals_cpu(fixture):
     core = new_core(fixture, plat.device, buckets=tuple(range(1, m["max_num_seqs"] + 1)), plat=plat)
     replayed = _count_static_runs(core, "_run_captured")
     _assert_same(replay(fixture, core))
-    decode_steps = sum(
-        1 for i, c in enumerate(fixture.calls) if c["fn"] == "propose"
-        and int(max(fixture.arrays[f"{i}.query_start_loc_cpu"][1:] - fixture.arrays[f"{i}.query_start_loc_cpu"][:-1]))
-        <= m["K"] + 1)
+    steps = sum(1 for c in fixture.calls if c["fn"] == "propose" and c["req_ids"])  # prefill chunks' steps too
     assert not core.graphs.failed and len(core.graphs.graphs) >= 3
-    assert len(replayed) == decode_steps and all(replayed) and decode_steps >= 20
+    assert len(replayed) == steps and all(replayed) and steps >= 20
 
 
 def test_fixture_can_be_regenerated(tmp_path, fixture):

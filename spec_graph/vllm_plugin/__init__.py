@@ -247,21 +247,24 @@ def _patch_runner_choice(config_cls) -> None:
     config_cls.use_v2_model_runner = property(use_v2_model_runner, doc=original.__doc__)
 
 
-def covered_draft(spec):
+def covered_draft(spec, cache_dir=None):
     """(covered, args): whether spec-graph's own models cover the draft (else: vLLM's drafter serves it), by its
-    architecture and, where its config.json is at hand, all of it (a rope type or activation spec-graph lacks
-    falls back too); and its ModelArgs as the drafter reads them, None where there is no local checkpoint
-    directory or a malformed config.json (the drafter's load names either)."""
+    architecture and, where its checkpoint is at hand (a directory, or a hub id's snapshot), all of it (a rope
+    type or activation spec-graph lacks, or weights in another format than safetensors, fall back too); and its
+    ModelArgs as the drafter reads them, None where there is no checkpoint to read or a malformed config.json
+    (the drafter's load names either). A hub id whose snapshot cannot be read is refused (ValueError)."""
     from ..models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, read_config
+    from .checkpoint import check_readable, draft_dir
 
     cfg = getattr(spec, "draft_model_config", None)
     archs = getattr(cfg, "architectures", None) or getattr(getattr(cfg, "hf_config", None), "architectures", None)
     if not (archs and archs[0] in SUPPORTED_ARCHITECTURES):
         return False, None
-    path = getattr(cfg, "model", None)
-    if not path:
+    if not getattr(cfg, "model", None):
         return True, None
+    path = draft_dir(cfg, cache_dir)
     try:
+        check_readable(path)
         return True, read_config(path)[1]
     except UnsupportedModelError:
         return False, None
@@ -301,7 +304,7 @@ def check_config(vllm_config):
         # draft TP unlike the target's is fine for it; a draft it does not cover falls back to vLLM's own
         # drafter, which needs equal TP: vLLM's own check and message then (it would only fire in the worker).
         spec = vllm_config.speculative_config
-        covered, args = covered_draft(spec)
+        covered, args = covered_draft(spec, getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
         if not covered:
             DraftModelProposer._raise_if_draft_tp_mismatch(SimpleNamespace(speculative_config=spec))
         else:  # refused here, not in a worker at load time

@@ -8,7 +8,7 @@ behaves exactly as without spec-graph. A flag that is not a bool is always refus
 
 - ``batch_buckets``: padded batch sizes that get a captured draft graph each
   (CUDA/NPU); a decode batch runs in the smallest bucket >= its size, a larger
-  one runs uncaptured. Default: 1, 2, 4, ... up to ``max_num_seqs``.
+  one runs uncaptured. Default: 1, 2, 4, ... up to ``max_num_seqs``; none may exceed it.
 - ``steps_per_graph``: accepted for symmetry with ``SpecGraphConfig`` but must
   be 1. vLLM's runner calls the drafter once per step and runs the target's
   verify and the rejection sampler itself between two calls, so a draft graph
@@ -117,6 +117,12 @@ def check_vllm_config(vllm_config) -> PluginSettings:
         if size > 1:
             raise ValueError(f"additional_config[{FLAG!r}] does not support {what} yet ({name}={size}): use "
                              "tensor parallelism, or turn the flag off for vLLM's own drafter")
+    max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if settings.batch_buckets and max_seqs and max(settings.batch_buckets) > max_seqs:
+        above = [b for b in settings.batch_buckets if b > max_seqs]
+        raise ValueError(f"additional_config[{SECTION!r}]['batch_buckets'] has {above} above max_num_seqs="
+                         f"{max_seqs}: a decode batch never holds more rows, and each bucket's graph costs memory "
+                         f"and capture time; drop those buckets or raise max_num_seqs")
     target_vocab = spec.target_model_config.get_vocab_size()
     draft_vocab = spec.draft_model_config.get_vocab_size()
     if target_vocab != draft_vocab:

@@ -44,6 +44,7 @@ from ..config import cache_length, kv_fit
 from ..models import UnsupportedModelError, load_model, read_config
 from ..models.llama import kv_cache_bytes
 from . import use_vllm_log_handlers
+from .checkpoint import check_readable, draft_dir
 from .config import parse, window_refusal
 from .kernels import count_valid
 
@@ -51,6 +52,9 @@ log = logging.getLogger("spec_graph")
 
 _warned_fallback = False
 MIN_SPAN = 32  # shortest cache span attended over (a power of two)
+# Tokens per prefill forward of a row's prefix or chunk: its attention mask and scores grow with this times the
+# prefix, not with the prefix squared (a 64k-token prefix in one forward: a 4 GiB mask).
+FEED_TOKENS = 2048
 
 
 def available_memory(device: torch.device) -> int:
@@ -198,12 +202,20 @@ class DraftCore:
             restart = p0 <= self.slot_last_pos0.get(slot, -1) or self.slot_last_step.get(slot) != self.step - 1
             if restart and p0 > 0:
                 toks = torch.from_numpy(np.asarray(token_ids[i, :p0]).astype(np.int64)).to(self.device)
-                # kv_len: attention reads the prefix alone, not max_len; logits_at: one row of logits, not p0
-                self.model(toks[None], torch.arange(p0, device=self.device)[None], self.k_cache, self.v_cache,
-                           torch.tensor([slot], device=self.device), kv_len=p0,
-                           logits_at=torch.tensor([p0 - 1], device=self.device))
+                self._feed(toks, torch.arange(p0, device=self.device), torch.tensor([slot], device=self.device), p0)
             self.slot_last_pos0[slot] = p0
             self.slot_last_step[slot] = self.step
+
+    def _feed(self, tokens, positions, slot, end: int) -> None:
+        """Write the KV of one row's tokens (int64 [n] at consecutive ``positions``, the last ``end - 1``; every
+        position below them already written) into cache slot ``slot`` ([1]): prefill forwards of at most
+        FEED_TOKENS tokens, each attending over the cache up to its last position alone (kv_len), with one row of
+        logits."""
+        n = tokens.shape[0]
+        for a in range(0, n, FEED_TOKENS):
+            b = min(a + FEED_TOKENS, n)
+            self.model(tokens[a:b][None], positions[a:b][None], self.k_cache, self.v_cache, slot,
+                       kv_len=end - (n - b), logits_at=torch.tensor([b - a - 1], device=self.device))
 
     @torch.inference_mode()
     def propose(self, req_ids, pos0, token_ids, target_token_ids, positions, query_start_loc, query_start_loc_cpu,
@@ -223,18 +235,17 @@ class DraftCore:
         slots, slot_t = self.slots(req_ids)
         self._prefill_missing(slots, pos0, token_ids)
         self.step += 1
-        qsl_cpu = query_start_loc_cpu[: B + 1]
-        max_q = int((qsl_cpu[1:] - qsl_cpu[:-1]).max()) if B else 0
         inputs = {"tokens": target_token_ids, "positions": positions[: target_token_ids.shape[0]],
                   "qsl": query_start_loc[: B + 1], "valid": valid_count[:B], "num_draft": num_draft[:B],
                   "next": next_token_ids[:B], "slots": slot_t}
+        inputs, starts, max_q = self._feed_long_rows(inputs, np.asarray(query_start_loc_cpu[: B + 1]), pos0, K)
         static = (self.platform.supports_graphs or self.compile_chain) and B and max_q <= K + 1 and K == self.K
         # Attend over the cache prefix this step can reach, not the whole buffer (static steps: T = K + 2),
         # unless the live-length kernel already reads no more than that.
         if static and self.live_span:
             L = self.cache_len
         else:
-            L = self.cache_span(int(np.max(np.asarray(pos0)[:B])) if B else 0, K + 1 if static else max_q, K)
+            L = self.cache_span(max(starts, default=0), K + 1 if static else max_q, K)
         if static:
             Bp = next((b for b in self.buckets if b >= B), None)
             if Bp is not None:
@@ -244,6 +255,29 @@ class DraftCore:
                     return out.clone()
         return self.draft_chain(inputs["tokens"], inputs["positions"], inputs["qsl"], inputs["valid"],
                                 inputs["num_draft"], inputs["next"], inputs["slots"], max_q + 1, K, *self.span(L))
+
+    def _feed_long_rows(self, inputs: dict, qsl_cpu: np.ndarray, pos0, K: int) -> tuple[dict, list[int], int]:
+        """(inputs, first chain position per row, most tokens a row) once rows of more than a decode row's
+        ``self.K + 1`` tokens (prefill chunks, which carry no drafts) have fed all but their last K + 1 tokens here:
+        one prefill forward each, attending over the row's prefix alone, with one row of logits. So the chain's
+        forwards stay [B, K + 2], and the captured graph can serve the step, however long a chunk is (unfed, a
+        chunk of T tokens made [B, T, vocab] logits and [B, heads, T, cache] scores for every row)."""
+        q = np.diff(qsl_cpu).astype(np.int64)
+        pre = np.where(q > max(self.K, K) + 1, q - (K + 1), 0)
+        starts = (np.asarray(pos0)[: len(q)].astype(np.int64) + pre).tolist()
+        if not pre.any():
+            return inputs, starts, int(q.max(initial=0))
+        keep = []
+        for i, (s, n, p) in enumerate(zip(qsl_cpu[:-1].tolist(), q.tolist(), pre.tolist())):
+            if p:
+                self._feed(inputs["tokens"][s: s + p].to(torch.int64), inputs["positions"][s: s + p].to(torch.int64),
+                           inputs["slots"][i: i + 1], starts[i])
+            keep.extend(range(s + p, s + n))
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        qsl = np.concatenate(([0], np.cumsum(q - pre)))
+        inputs = dict(inputs, tokens=inputs["tokens"][idx], positions=inputs["positions"][idx],
+                      qsl=torch.from_numpy(qsl).to(device=self.device, dtype=inputs["qsl"].dtype))
+        return inputs, starts, int((q - pre).max())
 
     def cache_span(self, max_pos0: int, max_q: int, K: int) -> int:
         """Cache positions a step writes or reads (up to ``max_pos0 + max_q + K``), rounded up to a power of two
@@ -415,8 +449,9 @@ class VllmAdapter:
 
     def load_model(self, target_model) -> None:
         global _warned_fallback
-        path = self.draft_model_config.model
+        path = draft_dir(self.draft_model_config, getattr(self.vllm_config.load_config, "download_dir", None))
         try:
+            check_readable(path)
             _, args = read_config(path)
         except UnsupportedModelError as e:
             if not _warned_fallback:
