@@ -68,6 +68,7 @@ class BackendOptions:
                 raise ValueError(f"options[{name!r}] must be a dict, got {getattr(opts, name)!r}")
         check_device(opts.device)
         check_enabled(opts.passes, "options['passes']")
+        check_inductor_keys(opts.inductor)
         return opts
 
 
@@ -144,18 +145,38 @@ def lazy_operator_text():
         exc.OperatorIssue.operator_str = original
 
 
-def known_inductor_configs(wanted: dict) -> dict:
-    """The entries of ``wanted`` whose keys this torch's inductor config knows (an unknown key is an error)."""
+def _inductor_knows(key) -> bool:
     from torch._inductor import config
 
-    known = {}
-    for key, value in wanted.items():
-        try:
-            config.__getattr__(key)  # dotted names resolve through the config module's own lookup
-        except AttributeError:
-            continue
-        known[key] = value
-    return known
+    try:
+        config.__getattr__(key)  # dotted names resolve through the config module's own lookup
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def known_inductor_configs(wanted: dict) -> dict:
+    """The entries of ``wanted`` whose keys this torch's inductor config knows (an unknown key is an error)."""
+    return {key: value for key, value in wanted.items() if _inductor_knows(key)}
+
+
+def check_inductor_keys(patches: dict) -> None:
+    """Refuse, by name, the keys of ``options['inductor']`` that this torch's inductor config lacks: inductor
+    would raise a bare AttributeError from inside the compile."""
+    unknown = [k for k in patches if not _inductor_knows(k)]
+    if not unknown:
+        return
+    import difflib
+
+    from torch._inductor import config
+
+    keys = list(config.get_config_copy())
+    named = []
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), keys, n=1)
+        named.append(f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    raise ValueError(f"unknown inductor option(s) in options['inductor']: {', '.join(named)}; torch "
+                     f"{torch.__version__}'s torch._inductor.config has no such key: fix the name or drop it")
 
 
 def backend_compile(fn: Callable, device: str, passes: dict | None = None, inductor: dict | None = None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import reprlib
 from pathlib import Path
 
 import torch
@@ -98,6 +100,14 @@ def _checked(config) -> SpecGraphConfig:
     return config.checked()
 
 
+def _check_checkpoint_path(name: str, path) -> None:
+    # read_config would fail inside pathlib (None, an int) or read "" as the current folder
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a checkpoint directory (a str or os.PathLike), got {reprlib.repr(path)}")
+    if not str(path).strip():
+        raise ValueError(f"{name} must name a checkpoint directory, got {path!r}")
+
+
 def resolve_dtype(dtype: str | torch.dtype, plat) -> torch.dtype:
     """"auto" is bfloat16 where the platform has graphs (accelerators), float32 on CPU."""
     if dtype == "auto":
@@ -174,6 +184,8 @@ class SpecDecoder(DecoderBase):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, target_dir, draft_dir, config: SpecGraphConfig | None = None) -> "SpecDecoder":
+        for name, d in (("target_dir", target_dir), ("draft_dir", draft_dir)):
+            _check_checkpoint_path(name, d)
         config = _checked(config or SpecGraphConfig())
         check_device(config.device)
         _, targs = read_config(target_dir)

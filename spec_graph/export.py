@@ -8,7 +8,9 @@ The package is one zip file (conventionally ``.pt2``) holding:
   order, the steps it holds (``steps``: mode -> batch size -> artifact), a
   sha256 of every other member (``sha256``, checked before anything is
   loaded), a sha256 of each model's config.json and weights, the seconds each
-  artifact took to build, and the spec-graph and torch versions it was built with;
+  artifact took to build, the spec-graph and torch versions it was built with,
+  and ``metadata_sha256``: the sha256 of the rest of this file as canonical JSON
+  (``export_load.metadata_sha256``), checked at load;
 - ``weights.safetensors``: both models' weights, stored ONCE;
 - ``aoti/prefill.pt2``, ``aoti/step_greedy.pt2`` and, exported with
   ``sampling=True`` (``--sampling``), ``aoti/step_sample.pt2``: AOTInductor
@@ -68,8 +70,8 @@ from . import __version__
 from .backend import known_inductor_configs, lazy_operator_text
 from .config import SpecGraphConfig
 from .elf import _elf_needed, static_cxx_runtime as _static_cxx_runtime  # noqa: F401
-from .export_load import (FORMAT, FORMAT_VERSION, META, TOKENIZER, WEIGHTS, ExportedRunner, ExportError,  # noqa: F401
-                          load_exported, read_metadata)
+from .export_load import (FORMAT, FORMAT_VERSION, KV_NAMES, META, META_SHA256, TOKENIZER, WEIGHTS,  # noqa: F401
+                          ExportedRunner, ExportError, load_exported, metadata_sha256, read_metadata)
 from .export_progress import _Progress
 from .runtime import WRITEBACK
 from .step import STATE_FIELDS
@@ -93,9 +95,6 @@ def _inductor_configs(device_type: str | None = None) -> dict:
     if device_type == "cpu":
         wanted.update(_WANTED_CPU_INDUCTOR_CONFIGS)
     return known_inductor_configs(wanted)
-
-
-_KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")
 
 
 def check_output_path(out) -> Path:
@@ -353,7 +352,7 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
             "device": dev.type, "vocab_size": dec.vocab_size, "eos_token_ids": list(dec.eos_token_ids),
             "weights": names_t + names_d, "weight_bytes": len(blob),
             "kv_cache": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                         for n, t in zip(_KV_NAMES, (*dec.draft_kv, *dec.target_kv))},
+                         for n, t in zip(KV_NAMES, (*dec.draft_kv, *dec.target_kv))},
             "models": {"target": _model_record(target_dir, tw), "draft": _model_record(draft_dir, dw)},
             "steps": steps,
             "artifacts": artifacts,
@@ -361,6 +360,8 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
             "inductor_configs": configs,
             "tokenizer": tok is not None,
         }
+        meta = json.loads(json.dumps(meta))  # as the loader will read it back (string keys, lists)
+        meta[META_SHA256] = metadata_sha256(meta)
         partial = out.with_name(out.name + ".partial")
         try:
             with zipfile.ZipFile(partial, "w") as z:

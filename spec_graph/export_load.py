@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 import zipfile
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import platform
-from .config import SpecGraphConfig, is_int
+from .config import SpecGraphConfig, cache_length, is_int
 from .elf import static_cxx_runtime
 from .runtime import DecoderBase
 from .step import STATE_FIELDS
@@ -20,14 +21,56 @@ FORMAT = "spec-graph-export"
 # span input (it reads its own positions of the caches, not all of them)
 FORMAT_VERSION = 3
 META, WEIGHTS, TOKENIZER = "metadata.json", "weights.safetensors", "tokenizer.json"
+# The sha256 of the rest of metadata.json (metadata_sha256): every other member's is in it. Packages written
+# before it lack it and still load (a new key of format 3, not a new format): cross-checks alone guard those.
+META_SHA256 = "metadata_sha256"
+KV_NAMES = ("draft_k", "draft_v", "target_k", "target_v")  # the caches, in the exported functions' order
 
 
 class ExportError(ValueError):
     """An export that cannot be written or loaded; the message names the problem and the fix."""
 
 
+def metadata_sha256(meta: dict) -> str:
+    """The sha256 of ``meta`` less its own ``metadata_sha256``, as canonical JSON (sorted keys, no spaces)."""
+    rest = {k: v for k, v in meta.items() if k != META_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _positive_int(v) -> bool:
+    return is_int(v) and v >= 1
+
+
+def _inconsistency(meta: dict) -> str | None:
+    """What in the metadata disagrees with itself or with the artifacts' fixed shapes (K, max_len and rows set
+    the caches' and buffers' shapes the artifacts were compiled for), or None."""
+    K, max_len, rows, sizes = (meta.get(k) for k in ("num_speculative_tokens", "max_len", "rows", "batch_sizes"))
+    for name, v in (("num_speculative_tokens", K), ("max_len", max_len), ("rows", rows)):
+        if not _positive_int(v):
+            return f"{name} is {v!r}, not a positive integer"
+    if not isinstance(sizes, list) or not sizes or not all(map(_positive_int, sizes)) or sizes != sorted(set(sizes)):
+        return f"batch_sizes is {sizes!r}, not an ascending list of positive integers"
+    if rows != sizes[-1]:
+        return f"rows {rows} is not the largest batch size {sizes[-1]}"
+    want = cache_length(max_len, K)
+    if meta.get("cache_len") != want:
+        return f"cache_len {meta.get('cache_len')!r} does not fit max_len {max_len} and K {K} (it would be {want})"
+    kv = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
+    for n in KV_NAMES:
+        entry = kv.get(n) if isinstance(kv.get(n), dict) else {}
+        shape, dtype = entry.get("shape"), entry.get("dtype")
+        if not isinstance(shape, list) or len(shape) != 5 or not all(map(_positive_int, shape)) \
+                or shape[1] != rows or shape[3] != want:
+            return f"kv_cache {n} has shape {shape!r}, not [layers, {rows} rows, heads, {want} positions, head_dim]"
+        if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+            return f"kv_cache {n} has dtype {dtype!r}"
+    return None
+
+
 def read_metadata(path) -> dict:
     """The metadata of an export, after checking that it is one, intact, and built by this torch."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the export must be the path of a .pt2 package (a str or os.PathLike), got {path!r}")
     path = Path(path)
     if path.is_dir():
         raise ExportError(f"{path} is a directory, not a package written by `spec-graph export`: pass the .pt2 "
@@ -49,7 +92,9 @@ def read_metadata(path) -> dict:
             bad = z.testzip()  # every member's CRC
             if bad is not None:
                 raise ExportError(f"{path} is corrupt: member {bad!r} fails its checksum; export it again")
-            missing = [n for n in [WEIGHTS, *(a["file"] for a in meta["artifacts"].values())] if n not in names]
+            wanted = [WEIGHTS, *(a["file"] for a in meta["artifacts"].values()),
+                      *([TOKENIZER] if TOKENIZER in meta.get("sha256", ()) else [])]  # else no text prompts
+            missing = [n for n in wanted if n not in names]
             if missing:
                 raise ExportError(f"{path} is corrupt or incomplete: missing {', '.join(missing)}; export it again")
     except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
@@ -58,6 +103,9 @@ def read_metadata(path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{path} has export format version {meta.get('format_version')!r}; this spec-graph "
                           f"reads version {FORMAT_VERSION}: export it again")
+    if META_SHA256 in meta and meta[META_SHA256] != metadata_sha256(meta):
+        raise ExportError(f"{path} is damaged: its {META} does not match the sha256 it records (edited or "
+                          "corrupted after export); export it again")
     if meta.get("torch_version") != torch.__version__:
         raise ExportError(f"{path} was built with torch {meta.get('torch_version')}, but this is torch "
                           f"{torch.__version__}: AOTInductor artifacts only load in the torch that built them; "
@@ -69,6 +117,9 @@ def read_metadata(path) -> dict:
             or any(name not in meta["artifacts"] for per in steps.values() for name in per.values()):
         raise ExportError(f"{path} is corrupt: its {META} lacks the sha256 of its files or the steps it holds; "
                           "export it again")
+    wrong = _inconsistency(meta)
+    if wrong is not None:
+        raise ExportError(f"{path} is damaged: its {META} does not match its artifacts ({wrong}); export it again")
     return meta
 
 
@@ -120,7 +171,7 @@ class ExportedRunner(DecoderBase):
         kv = self.metadata["kv_cache"]
         make = lambda n: torch.zeros(kv[n]["shape"], dtype=getattr(torch, kv[n]["dtype"]),  # noqa: E731
                                      device=self.device)
-        assert kv["target_k"]["shape"][1] == rows and kv["target_k"]["shape"][3] == cache_len
+        # rows and cache_len come from the same metadata, whose shapes read_metadata checked against them
         return (make("target_k"), make("target_v")), (make("draft_k"), make("draft_v"))
 
     def _prefill_forward(self, toks, pos, slots, lens) -> torch.Tensor:
@@ -155,8 +206,8 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
     """
     from safetensors.torch import load as st_load
 
-    path = Path(path)
     meta = read_metadata(path)
+    path = Path(path)
     want, built = (torch.device(device).type if device else meta["device"]), meta["device"]
     if want != built:
         raise ExportError(f"{path} was exported for device {built!r}, not {want!r}: run it on {built}, or export "

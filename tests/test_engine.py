@@ -331,6 +331,21 @@ def test_error_vocab_mismatch(tmp_path, llama_pair):
         decoder(target, other)
 
 
+@pytest.mark.parametrize("which, value, error, match", [
+    ("target", None, TypeError, r"target_dir must be a checkpoint directory \(a str or os.PathLike\), got None"),
+    ("target", 5, TypeError, "target_dir must be a checkpoint directory .*got 5"),
+    ("draft", None, TypeError, "draft_dir must be a checkpoint directory .*got None"),
+    ("draft", b"/tmp", TypeError, "draft_dir must be a checkpoint directory"),
+    ("target", "", ValueError, "target_dir must name a checkpoint directory, got ''"),
+])
+def test_error_checkpoint_path_of_the_wrong_type(llama_pair, which, value, error, match):
+    """Named by argument, not a TypeError from inside pathlib ("" is not read as the current folder)."""
+    target, draft = llama_pair
+    args = (value, draft) if which == "target" else (target, value)
+    with pytest.raises(error, match=match):
+        SpecDecoder.from_pretrained(*args)
+
+
 @pytest.mark.parametrize("K", [0, 17, -1])
 def test_error_k_out_of_range(K):
     with pytest.raises(ValueError, match="1..16"):

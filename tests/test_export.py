@@ -21,7 +21,7 @@ from helpers import assert_every_count, hf_greedy, nan_past
 
 from spec_graph import SpecDecoder, SpecGraphConfig, __version__
 from spec_graph.cli import main
-from spec_graph.export import ExportError, load_exported, read_metadata
+from spec_graph.export import ExportError, load_exported, metadata_sha256, read_metadata
 
 PROMPTS = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 70], [3], [60, 61, 62, 63]]
 K, SIZES, MAX_LEN = 3, (1, 2), 64
@@ -72,9 +72,12 @@ def runner(exported):
     return load_exported(exported[0])
 
 
-def _rewrite(src: Path, dst: Path, members: dict | None = None, drop=(), **meta_changes) -> Path:
+def _rewrite(src: Path, dst: Path, members: dict | None = None, drop=(), sign: bool | None = True,
+             **meta_changes) -> Path:
     """A copy of the package with some metadata fields changed, some members replaced ({name: bytes}, their
-    sha256 recorded as an export would) and the members in ``drop`` left out."""
+    sha256 recorded as an export would) and the members in ``drop`` left out. ``sign``: the metadata's own sha256
+    recorded anew as an export would (True), kept as exported, as a hand edit would (False), or left out, as in
+    packages written before it (None)."""
     members = members or {}
     with zipfile.ZipFile(src) as zin:
         meta = json.loads(zin.read("metadata.json"))
@@ -82,6 +85,10 @@ def _rewrite(src: Path, dst: Path, members: dict | None = None, drop=(), **meta_
                  if item.filename not in drop and item.filename != "metadata.json"]
     meta["sha256"].update({n: hashlib.sha256(d).hexdigest() for n, d in members.items()})
     meta.update(meta_changes)
+    if sign is None:
+        del meta["metadata_sha256"]
+    elif sign:
+        meta["metadata_sha256"] = metadata_sha256(meta)
     with zipfile.ZipFile(dst, "w") as zout:
         zout.writestr("metadata.json", json.dumps(meta))
         for item, data in items:
@@ -349,6 +356,51 @@ def test_error_truncated_or_corrupt(tmp_path, exported):
     bad.write_bytes(bytes(flipped))
     with pytest.raises(ExportError, match="corrupt.*weights.safetensors"):
         load_exported(bad)
+
+
+@pytest.mark.parametrize("field, value", [("max_len", 1000), ("num_speculative_tokens", 5), ("max_len", MAX_LEN + 1)])
+def test_error_edited_metadata_is_damaged(tmp_path, exported, capsys, field, value):
+    """metadata.json edited after export (its recorded sha256 left as it was) is refused in one line: K=5 loaded
+    and counted acceptance at the wrong K, max_len=1000 failed an assert inside the loader. The control: the
+    package rewritten unedited, its sha256 kept, loads."""
+    assert read_metadata(exported[0])["metadata_sha256"] == metadata_sha256(read_metadata(exported[0]))
+    assert load_exported(_rewrite(exported[0], tmp_path / "same.pt2", sign=False)).K == K
+    pkg = _rewrite(exported[0], tmp_path / "edited.pt2", sign=False, **{field: value})
+    with pytest.raises(ExportError, match=r"is damaged: its metadata.json does not match the sha256 it records "
+                                          r"\(edited or corrupted after export\); export it again"):
+        load_exported(pkg)
+    assert main(["generate", "--exported", str(pkg), "--prompt-ids", "5,6"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "damaged" in lines[0], lines
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"max_len": 1000}, "cache_len 80 does not fit max_len 1000 and K 3"),
+    ({"num_speculative_tokens": 15}, "cache_len 80 does not fit max_len 64 and K 15"),
+    ({"rows": 1}, "rows 1 is not the largest batch size 2"),
+    ({"num_speculative_tokens": "3"}, "num_speculative_tokens is '3', not a positive integer"),
+    ({"kv_cache": {}}, "kv_cache draft_k has shape None"),
+])
+def test_package_without_its_metadata_sha256_is_cross_checked(tmp_path, exported, changes, match):
+    """Packages written before metadata_sha256 still load (format 3 gained a key); their metadata is checked
+    against the shapes the artifacts were compiled for, by name, instead of an assert inside the loader."""
+    old = _rewrite(exported[0], tmp_path / "old.pt2", sign=None)
+    assert "metadata_sha256" not in read_metadata(old) and load_exported(old).K == K
+    bad = _rewrite(exported[0], tmp_path / "bad.pt2", sign=None, **changes)
+    with pytest.raises(ExportError, match=rf"is damaged: its metadata.json does not match its artifacts \({match}"):
+        load_exported(bad)
+
+
+def test_error_missing_tokenizer(tmp_path, exported):
+    """The tokenizer the metadata records is a member like the others: without it text prompts would fail later."""
+    with pytest.raises(ExportError, match="corrupt or incomplete: missing tokenizer.json; export it again"):
+        load_exported(_rewrite(exported[0], tmp_path / "notok.pt2", drop=("tokenizer.json",)))
+
+
+@pytest.mark.parametrize("path", [None, 5])
+def test_error_package_path_of_the_wrong_type(path):
+    with pytest.raises(TypeError, match=rf"the export must be the path of a .pt2 package .*got {path!r}"):
+        load_exported(path)
 
 
 def test_error_other_torch_version(tmp_path, exported):

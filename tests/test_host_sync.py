@@ -270,6 +270,24 @@ def test_compile_options_and_decorator(eager_compile_stage):
         spec_graph.compile(no_break, options={"nope": 1})(torch.ones(2))
 
 
+def test_unknown_inductor_option_is_refused_by_name(eager_compile_stage):
+    """An inductor key this torch lacks is named (with the nearest known key), as an unknown top-level option is,
+    not left to inductor's AttributeError from inside the compile; the control: known keys, dotted ones too, pass."""
+    def double(x):
+        return x * 2
+
+    sg_backend.register()
+    with pytest.raises(Exception, match=r"ValueError: unknown inductor option\(s\) in options\['inductor'\]: "
+                                        r"'nonexistent_opt'; torch .* has no such key"):
+        torch.compile(double, backend="spec_graph", options={"inductor": {"nonexistent_opt": 1}})(torch.ones(2))
+    with pytest.raises(ValueError, match=r"'max_autotun' \(did you mean 'max_autotune'\?\)"):
+        sg_backend.BackendOptions.parse({"inductor": {"max_autotun": True}})
+    known = {"max_autotune": False, "triton.cudagraphs": False}
+    assert sg_backend.BackendOptions.parse({"inductor": known}).inductor == known
+    torch.testing.assert_close(spec_graph.compile(double, options={"capture": False, "inductor": known, **CPU})(
+        torch.ones(2)), torch.full((2,), 2.0))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The FX pass
 # ------------------------------------------------------------------------------------------------------------
