@@ -88,8 +88,8 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
     finite = tlogits[1] if greedy else torch.isfinite(tlogits).all(-1)  # [B, K+1]
     # The target's logits decide, at the positions whose tokens the row commits: a non-finite position after a
     # rejected draft (the draft's token drove the target there) is one a decode of the committed tokens never
-    # reaches. Every row runs the rule; one that would commit a token from a non-finite position fails, commits
-    # nothing and keeps its state.
+    # reaches. Every row runs the rule; one that would commit a token from a non-finite position fails and
+    # commits the tokens of the finite positions before it, as a decode of them would (whatever K is).
     n_out = state["n_out"]
     leading = finite.long().cumprod(1).sum(1)
 
@@ -107,17 +107,21 @@ def speculative_step(draft, target, draft_kv, target_kv, state: dict, out_buf: t
         num_acc, _, new_tail, new_c, new_n, done = prep(sampled, *args)
     failed = active & (leading < new_n - n_out)  # (an appended token past n_out is never read)
     ok = active & ~failed
+    # A failing row ends: its tail and length stay; it keeps its first `leading` tokens, all accepted drafts
+    # (each committed token comes from its own position, and a correction or bonus only from the last).
+    stepped = ok | (failed & (leading > 0))
+    num_acc = torch.where(failed, leading, num_acc)
     new_tail = torch.where(failed[:, None], tail, new_tail)
-    new_c, new_n = torch.where(failed, c, new_c), torch.where(failed, n_out, new_n)
+    new_c, new_n = torch.where(failed, c, new_c), torch.where(failed, n_out + leading, new_n)
 
     col = (steps - 1).clamp(0, acc_log.shape[1] - 1)
-    acc_log.index_put_((rows, col), torch.where(ok, num_acc, acc_log[rows, col]))
+    acc_log.index_put_((rows, col), torch.where(stepped, num_acc, acc_log[rows, col]))
     return {
         "tail": new_tail,
         "seq_lens": new_c,
         "n_out": new_n,
         "active": ok & ~done,
         "error": state["error"] | failed,
-        "steps": steps + ok.long(),
-        "accepted": torch.where(ok, num_acc, PLACEHOLDER),  # drafts accepted; PLACEHOLDER: no step taken
+        "steps": steps + stepped.long(),
+        "accepted": torch.where(stepped, num_acc, PLACEHOLDER),  # drafts accepted; PLACEHOLDER: no step taken
     }
