@@ -57,6 +57,7 @@ def _poison(path, tensor: str, rows=None):
 
 
 def _decoder(target, draft, K=3, **cfg):
+    cfg.setdefault("device", "cpu")  # fp32 against HF's fp32 references, on any machine
     return SpecDecoder.from_pretrained(target, draft, SpecGraphConfig(num_speculative_tokens=K, **cfg))
 
 
@@ -400,17 +401,20 @@ def test_nan_target_at_prefill_commits_nothing(nan_setup, tmp_path):
     assert out.stats.tokens_per_step * out.stats.request_steps == pytest.approx(24)
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_path, K):
+@pytest.mark.parametrize("K,device", [(1, "cpu"), (2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.gpu),
+                                      pytest.param(4, "cuda", marks=pytest.mark.gpu)])
+def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_path, K, device):
     """The target turns NaN once it is fed a token it generates itself: the request keeps its clean output up to
     and with that token, as a plain decode would (its logits were finite), whatever K is, and no other token;
-    the other requests are untouched, and the stats count the kept tokens."""
+    the other requests are untouched, and the stats count the kept tokens. On CUDA through the captured step."""
     root, target, draft, refs = nan_setup
     ref = refs[0]
     m = next(i for i in range(3, len(ref)) if ref[i] not in PROMPTS[0] and ref[i] not in ref[:i]
              and all(ref[i] not in r for r in refs[1:]) and all(ref[i] not in p for p in PROMPTS))
     bad = _poison(perturbed_copy(target, tmp_path / "t", noise=0.0), "model.embed_tokens.weight", ref[m])
-    out = _decoder(bad, draft, K=K, max_len=64).generate(PROMPTS, 12)
+    dec = _decoder(bad, draft, K=K, max_len=64, device=device, dtype="float32")
+    out = dec.generate(PROMPTS, 12)
+    assert (dec.graphs is not None) == (device == "cuda")
     r = out[0]
     assert r.finish_reason == "error" and r.token_ids == ref[: m + 1]
     assert [o.token_ids for o in out[1:]] == refs[1:]
