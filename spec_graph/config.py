@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numbers
+import os
+import reprlib
 from dataclasses import dataclass, field, replace
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -180,6 +182,12 @@ def checked_steps_per_graph(n, name: str = "steps_per_graph") -> int:
 def is_int(v) -> bool:
     """An integer that is not a bool (numpy integers included)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_path_arg(value, must_be: str) -> None:
+    """Refuse a value that is no path at all (None, an int) before pathlib raises its own TypeError."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{must_be} (a str or os.PathLike), got {reprlib.repr(value)}")
 
 
 def check_device(device) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import reprlib
 from pathlib import Path
 
 import torch
@@ -18,7 +16,7 @@ import torch
 from . import platform
 from .adaptive import count_acceptance
 from .backend import backend_compile
-from .config import SpecGraphConfig, beyond_window_warning, check_device, kv_fit
+from .config import SpecGraphConfig, beyond_window_warning, check_device, check_path_arg, kv_fit
 from .models import load_model, parse_dtype, read_config
 from .models.config import eos_token_ids, pair_window, window_source
 from .models.llama import kv_cache_bytes
@@ -102,8 +100,7 @@ def _checked(config) -> SpecGraphConfig:
 
 def _check_checkpoint_path(name: str, path) -> None:
     # read_config would fail inside pathlib (None, an int) or read "" as the current folder
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a checkpoint directory (a str or os.PathLike), got {reprlib.repr(path)}")
+    check_path_arg(path, f"{name} must be a checkpoint directory")
     if not str(path).strip():
         raise ValueError(f"{name} must name a checkpoint directory, got {path!r}")
 

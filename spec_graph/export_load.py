@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import zipfile
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import platform
-from .config import SpecGraphConfig, cache_length, is_int
+from .config import SpecGraphConfig, cache_length, check_path_arg, is_int
 from .elf import static_cxx_runtime
 from .runtime import DecoderBase
 from .step import STATE_FIELDS
@@ -69,8 +68,7 @@ def _inconsistency(meta: dict) -> str | None:
 
 def read_metadata(path) -> dict:
     """The metadata of an export, after checking that it is one, intact, and built by this torch."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"the export must be the path of a .pt2 package (a str or os.PathLike), got {path!r}")
+    check_path_arg(path, "the export must be the path of a .pt2 package")
     path = Path(path)
     if path.is_dir():
         raise ExportError(f"{path} is a directory, not a package written by `spec-graph export`: pass the .pt2 "
