@@ -58,18 +58,19 @@ def check_fusions(reports: list, expected: str, mode: str, warned: set) -> None:
 
 
 def _eos_ids(path: str, args) -> set[int]:
-    ids = set(args.eos_token_ids)
+    """The ids that end a request, as transformers' generate reads them: generation_config.json's where the file
+    exists (config.json's are then not used, and a file without the field names none), else config.json's."""
     gen = Path(path) / "generation_config.json"
-    if gen.is_file():
-        try:
-            cfg = json.loads(gen.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{gen} must hold a JSON object (such as {{\"eos_token_id\": 2}}), got "
-                             f"{type(cfg).__name__}")
-        ids.update(eos_token_ids(cfg.get("eos_token_id"), str(gen)))
-    return {int(i) for i in ids}
+    if not gen.is_file():
+        return {int(i) for i in args.eos_token_ids}
+    try:
+        cfg = json.loads(gen.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{gen} must hold a JSON object (such as {{\"eos_token_id\": 2}}), got "
+                         f"{type(cfg).__name__}")
+    return {int(i) for i in eos_token_ids(cfg.get("eos_token_id"), str(gen))}
 
 
 def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:

@@ -135,6 +135,11 @@ class ExportedRunner(DecoderBase):
                          use_graphs=use_graphs, rows=meta["rows"])
         self.window = meta.get("window")  # the pair's max_position_embeddings
 
+    def _rebuild_hint(self, field: str) -> str:
+        if field in ("max_batch_size", "enable_graph", "device"):
+            return f"load the export again for this value (load_exported({str(self.path)!r}, {field}=...))"
+        return f"export again for this value (spec-graph export with the {field} you want)"
+
     def _no_sampling(self) -> ExportError:
         return ExportError(f"{self.path} holds only the greedy step (it was exported without --sampling): use "
                            "temperature 0, or export again with --sampling for temperature > 0")

@@ -46,7 +46,8 @@ def prompt_ids(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
             ids = [int(t) for t in p]
         else:
             raise ValueError(f"prompt {i} is neither a string nor a list (or 1-D tensor) of integer token ids"
-                             + (f": it has {p.ndim} dimensions" if _array(p) else ""))
+                             + (f": it has {p.ndim} dimensions" if _array(p) else "")
+                             + ("; for one prompt of token ids pass a list of it, [[1, 2, 3]]" if is_int(p) else ""))
         if not ids:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < vocab_size]

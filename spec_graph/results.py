@@ -10,7 +10,9 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS or a stop id, included in token_ids), "length" or "error"
     prompt_token_ids: list[int] = field(default_factory=list)
-    accepted_counts: list[int] = field(default_factory=list)  # drafts accepted at each of its steps
+    # drafts the target accepted at each of its steps (of the last step, a cut by max_new_tokens or a stop token
+    # may commit fewer)
+    accepted_counts: list[int] = field(default_factory=list)
     k_per_step: list[int] = field(default_factory=list)  # drafts proposed (K) at each of its steps
 
 
@@ -24,7 +26,7 @@ class GenerationStats:
 
         tokens_per_step * request_steps == generated_tokens
 
-    (for a single prompt, ``request_steps == steps + 1``). The last step of a request counts only the tokens
+    (for a single prompt and ``steps_per_graph`` 1, ``request_steps == steps + 1``). The last step of a request counts only the tokens
     it committed (``max_new_tokens`` or a stop token may cut it short); a request whose logits turned
     non-finite counts the tokens it kept.
     """

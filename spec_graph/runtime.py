@@ -412,6 +412,9 @@ class DecoderBase(StepTimes):
         with self._generate_lock:
             return self._generate(encoded, max_new_tokens, params, int(seed), stop_set, progress)
 
+    def _rebuild_hint(self, field: str) -> str:
+        return f"build a new engine for this value (SpecGraphConfig({field}=...))"
+
     def _check_config(self) -> None:
         """Config fields set on a built engine (config.FIXED_FIELDS): a change it cannot take is a ValueError; new
         batch buckets or steps_per_graph are taken, with the graphs captured again for them."""
@@ -422,8 +425,7 @@ class DecoderBase(StepTimes):
                 continue
             room = f"; values from {CEILING_MIN[f]} up to {was} run on it" if f in CEILING_FIELDS else ""
             raise ValueError(f"{f} was set to {now!r} on a built engine, which was built with {was!r}{room}: its "
-                             f"buffers, caches and steps were made for that, so build a new engine for this value "
-                             f"(SpecGraphConfig({f}=...))")
+                             f"buffers, caches and steps were made for that, so {self._rebuild_hint(f)}")
         cfg.batch_buckets = checked_buckets(cfg.batch_buckets)
         if cfg.bucket_for(cfg.max_batch_size) > self.rows:
             raise ValueError(f"batch_buckets {list(cfg.batch_buckets)} pads a batch of max_batch_size="

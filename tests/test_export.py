@@ -423,6 +423,23 @@ def test_error_batch_over_the_largest_size(exported, capsys):
         assert "over the largest" not in str(e.value)
 
 
+def test_fields_set_on_a_loaded_export_name_the_fix_for_an_export(exported):
+    """A field a loaded export cannot take, set on its config, says to load it again (a field load_exported takes)
+    or to export again (one the package fixes), not to build a SpecGraphConfig."""
+    runner = load_exported(exported[0], max_batch_size=1)
+    runner.config.max_batch_size = 2
+    with pytest.raises(ValueError, match=r"load the export again for this value \(load_exported\(.*"
+                                         r"max_batch_size=\.\.\.\)\)") as e:
+        runner.generate([[5, 6]], 2)
+    assert "SpecGraphConfig" not in str(e.value)
+    runner.config.max_batch_size = 1
+    runner.config.num_speculative_tokens += 1
+    with pytest.raises(ValueError, match="export again for this value"):
+        runner.generate([[5, 6]], 2)
+    runner.config.num_speculative_tokens -= 1
+    assert len(runner.generate([[5, 6]], 2)[0].token_ids) == 2  # the control: as loaded, it runs
+
+
 def _cut_library(artifact: bytes) -> bytes:
     """The AOTInductor package ``artifact`` with its compiled library cut to half, as a valid zip."""
     buf = io.BytesIO()

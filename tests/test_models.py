@@ -446,3 +446,39 @@ def test_exported_prefill_of_any_length_attends_through_sdpa(tmp_path):
     ep = torch.export.export(Prefill(), args, dynamic_shapes=({1: T}, {1: T}, {0: T}, None, None, None),
                              strict=False)
     assert any("scaled_dot_product" in str(n.target) for n in ep.graph.nodes)
+
+
+@pytest.mark.parametrize("case", ["no generation_config.json", "it names other ids", "it names none"])
+def test_eos_ids_are_those_transformers_generate_reads(tmp_path, case):
+    """generation_config.json, where it exists, alone names the EOS ids (config.json's are then unused, as in
+    transformers' generate); without it config.json's do. Greedy output equals HF's generate run with the
+    checkpoint's own settings. The union of both files would stop at config.json's id in the last two cases."""
+    import transformers
+    from helpers import hf_greedy, perturbed_copy
+
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    path = make_checkpoint(tmp_path / "t", vocab_size=96, eos_token_id=None)
+    draft = perturbed_copy(path, tmp_path / "d", noise=0.05)
+    prompt, n = [5, 9, 17, 33, 2], 24
+    full = hf_greedy(path, prompt, n, eos=None)
+    firsts = [t for i, t in enumerate(full) if t not in full[:i]]
+    a, b = firsts[2], firsts[4]  # config.json's id comes first in the output
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=a)))
+    gen = path / "generation_config.json"
+    if case == "no generation_config.json":
+        gen.unlink(missing_ok=True)
+        want = full[: full.index(a) + 1]
+    else:
+        gen.write_text(json.dumps({"eos_token_id": [b]} if case == "it names other ids" else {"do_sample": False}))
+        want = full[: full.index(b) + 1] if case == "it names other ids" else full
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert hf == want
+    dec = SpecDecoder.from_pretrained(path, draft, SpecGraphConfig(num_speculative_tokens=3, max_len=64))
+    out = dec.generate([prompt], n)[0]
+    assert out.token_ids == want
+    assert out.finish_reason == ("length" if want is full else "stop")

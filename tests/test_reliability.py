@@ -185,6 +185,8 @@ def test_prompts_as_tensors_and_arrays(dec):
         dec.generate([[1, 2], torch.tensor([3.0, 4.0])], 3)
     with pytest.raises(ValueError, match="prompt 0 .*: it has 2 dimensions"):
         dec.generate([torch.tensor([[1, 2]])], 3)
+    with pytest.raises(ValueError, match=r"prompt 0 is neither .*; for one prompt of token ids pass a list of it"):
+        dec.generate([1, 2, 3], 3)  # one prompt's ids, not a list of prompts
 
 
 def test_an_interrupted_call_leaves_no_row_busy(dec):
