@@ -322,13 +322,13 @@ def test_pipeline_and_data_parallelism_are_refused_with_the_flag(name):
     assert not check_config(off).enabled
 
 
-def _engine_config(target, draft, flag, **kw):
+def _engine_config(target, draft, flag, extra_spec=None, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
     register()
     kw.setdefault("max_model_len", 256)
-    return EngineArgs(model=str(target), dtype="float32",
-                      speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": K},
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K, **(extra_spec or {})}
+    return EngineArgs(model=str(target), dtype="float32", speculative_config=spec,
                       additional_config={"enable_spec_graph": True} if flag else {}, **kw).create_engine_config()
 
 
@@ -597,18 +597,38 @@ def _with_config(ckpt, **fields):
     return ckpt
 
 
-def test_max_model_len_past_the_drafts_window_is_refused(models, tmp_path, tokenizer):
-    """The draft was trained on 128 positions and the engine serves 256: refused when the config is built (a
-    ValueError of its own, not an engine that fails in its worker), naming both numbers. Without the flag
-    vLLM's drafter serves it; at max_model_len 128 the flag does too."""
+def test_max_model_len_past_the_drafts_window_is_served_with_one_warning(models, tmp_path, tokenizer, caplog):
+    """The draft was trained on 128 positions and the engine serves 256: served as vLLM serves it without the
+    flag, after one warning naming both numbers and the fix. vLLM runs no drafter for a step whose longest
+    sequence reaches past the draft's window; the others draft with spec-graph's drafter (the draft, the target's
+    weights, agrees), before and after such steps. The output is HF's greedy output throughout."""
+    from spec_graph.vllm_plugin import config as plugin_config
+    from spec_graph.vllm_plugin import proposer
+
     target, _ = models
     short = _with_config(_ckpt(tmp_path / "short", tokenizer), max_position_embeddings=128)
-    with pytest.raises(ValueError, match=r"max_model_len=256 is past the draft's window of 128 positions"):
-        _engine_config(target, short, flag=True)
-    assert _engine_config(target, short, flag=False).model_config.max_model_len == 256
-    assert _engine_config(target, short, flag=True, max_model_len=128).model_config.max_model_len == 128
-    with pytest.raises(Exception, match=r"max_model_len=256 is past the draft's window of 128 positions"):
-        _llm(target, short, flag=True)
+    plugin_config._warned_windows.clear()
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        assert _engine_config(target, short, flag=True).model_config.max_model_len == 256
+        llm = _llm(target, short, flag=True)
+    prompts = [[5, 6, 7], list(range(2, 90)) + list(range(2, 40)), [8, 9, 10]]
+    outs, counts = [], [(0, 0)]
+    try:
+        d = _drafter(llm)
+        assert isinstance(d, proposer.SpecGraphProposer) and not d.fallback
+        for p in prompts:
+            outs += _generate(llm, [p], max_tokens=24)
+            counts.append(_spec_counts(llm))
+    finally:
+        _shutdown(llm)
+    assert outs == [hf_greedy(target, p, 24, eos=1) for p in prompts]
+    assert len(prompts[1]) + len(outs[1]) > 128 + K  # steps past the window
+    for i in (0, 2):  # within the window: spec-graph's drafts, accepted
+        drafted, accepted = (counts[i + 1][j] - counts[i][j] for j in (0, 1))
+        assert accepted > 0.9 * drafted > 0
+    warnings = [r.getMessage() for r in caplog.records if "past the draft's window" in r.getMessage()]
+    assert len(warnings) == 1 and "max_model_len=256 is past the draft's window of 128 positions" in warnings[0]
+    assert "lower --max-model-len to 128" in warnings[0]
 
 
 def test_draft_sample_method_probabilistic_is_refused_where_spec_graph_drafts(tmp_path, tokenizer):
@@ -941,6 +961,11 @@ def test_uncovered_draft_falls_back_to_vllms_drafter(models, tmp_path, tokenizer
     assert drafted > 0
     for p, o in zip(PROMPTS, outs):
         assert o == hf_greedy(target, p, 12, eos=1)
+    # vLLM's drafter needs padded batches: with them disabled the fallback is refused when the config is built
+    # (not in the worker's load), naming the setting; a draft spec-graph covers takes either setting.
+    with pytest.raises(ValueError, match="does not cover the draft .*unset disable_padded_drafter_batch"):
+        _engine_config(target, tmp_path / draft, flag=True, extra_spec={"disable_padded_drafter_batch": True})
+    assert _engine_config(target, llama_draft, flag=True, extra_spec={"disable_padded_drafter_batch": True})
 
 
 def test_draft_vocab_mismatch_is_refused_at_config_time(models, tmp_path, tokenizer):

@@ -294,7 +294,7 @@ def check_config(vllm_config):
     """The config-time checks; returns the parsed settings (flag off: only the flag's type is checked)."""
     from types import SimpleNamespace
 
-    from .config import check_covered_draft, check_vllm_config
+    from .config import FLAG, check_covered_draft, check_vllm_config
 
     settings = check_vllm_config(vllm_config)
     if settings.enabled:
@@ -307,6 +307,11 @@ def check_config(vllm_config):
         covered, args = covered_draft(spec, getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
         if not covered:
             DraftModelProposer._raise_if_draft_tp_mismatch(SimpleNamespace(speculative_config=spec))
+            if getattr(spec, "disable_padded_drafter_batch", False):
+                raise ValueError(f"additional_config[{FLAG!r}]: spec-graph does not cover the draft "
+                                 f"{getattr(spec.draft_model_config, 'model', None)!r}, so vLLM's own drafter "
+                                 f"serves it, and that drafter needs padded batches: unset "
+                                 f"disable_padded_drafter_batch in the speculative_config")
         else:  # refused here, not in a worker at load time
             check_covered_draft(vllm_config, args)
         if hasattr(type(vllm_config), "use_v2_model_runner"):

@@ -131,15 +131,25 @@ def check_vllm_config(vllm_config) -> PluginSettings:
     return settings
 
 
-def window_refusal(max_model_len: int, window: int, path) -> str:
-    return (f"spec-graph: max_model_len={max_model_len} is past the draft's window of {window} positions "
-            f"(max_position_embeddings in {path}/config.json): lower --max-model-len to {window} or use a draft "
-            f"with a longer window")
+_warned_windows: set[tuple] = set()
+
+
+def warn_past_window(max_model_len: int, window: int, path) -> None:
+    """One warning per (max_model_len, window, draft). vLLM serves such a pair with its own drafter too: it runs
+    no drafter for a step whose longest sequence would pass the draft's window (its drafts there are zeros)."""
+    key = (max_model_len, window, str(path))
+    if key in _warned_windows:
+        return
+    _warned_windows.add(key)
+    log.warning("spec-graph: max_model_len=%d is past the draft's window of %d positions (max_position_embeddings "
+                "in %s/config.json): vLLM drafts nothing for a step whose longest sequence reaches past it, so "
+                "such steps gain nothing from speculation (the output stays the target's); lower --max-model-len "
+                "to %d or use a draft with a longer window to avoid that", max_model_len, window, path, window)
 
 
 def check_covered_draft(vllm_config, args) -> None:
-    """Config-time checks of a draft spec-graph drafts with (``args``: its ModelArgs, None where unread): its
-    window covers max_model_len, and the drafts are greedy, as spec-graph's are."""
+    """Config-time checks of a draft spec-graph drafts with (``args``: its ModelArgs, None where unread): the
+    drafts are greedy, as spec-graph's are; a max_model_len past the draft's window gets one warning."""
     spec = vllm_config.speculative_config
     method = getattr(spec, "draft_sample_method", "greedy")
     if method != "greedy":
@@ -149,4 +159,4 @@ def check_covered_draft(vllm_config, args) -> None:
                          f"it, or turn the flag off for vLLM's own drafter")
     max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
     if args is not None and max_len is not None and max_len > args.window:
-        raise ValueError(window_refusal(max_len, args.window, spec.draft_model_config.model))
+        warn_past_window(max_len, args.window, spec.draft_model_config.model)
