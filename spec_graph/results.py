@@ -26,9 +26,9 @@ class GenerationStats:
 
         tokens_per_step * request_steps == generated_tokens
 
-    (for a single prompt and ``steps_per_graph`` 1, ``request_steps == steps + 1``). The last step of a request counts only the tokens
-    it committed (``max_new_tokens`` or a stop token may cut it short); a request whose logits turned
-    non-finite counts the tokens it kept.
+    (for a single prompt and ``steps_per_graph`` 1, ``request_steps == steps + 1``). The last step of a request
+    counts only the tokens it committed (``max_new_tokens`` or a stop token may cut it short); a request whose
+    logits turned non-finite counts the tokens it kept.
     """
 
     acceptance_rate: float  # accepted / proposed draft tokens
