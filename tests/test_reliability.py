@@ -403,8 +403,11 @@ def test_nan_target_at_prefill_commits_nothing(nan_setup, tmp_path):
     assert out.stats.tokens_per_step * out.stats.request_steps == pytest.approx(24)
 
 
-@pytest.mark.parametrize("K,device", [(1, "cpu"), (2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.gpu),
-                                      pytest.param(4, "cuda", marks=pytest.mark.gpu)])
+ON_CUDA = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("K,device", [(1, "cpu"), (2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=ON_CUDA),
+                                      pytest.param(4, "cuda", marks=ON_CUDA)])
 def test_nan_target_mid_generation_keeps_the_committed_prefix(nan_setup, tmp_path, K, device):
     """The target turns NaN once it is fed a token it generates itself: the request keeps its clean output up to
     and with that token, as a plain decode would (its logits were finite), whatever K is, and no other token;
