@@ -45,7 +45,7 @@ from ..models import UnsupportedModelError, load_model, read_config
 from ..models.llama import kv_cache_bytes
 from . import use_vllm_log_handlers
 from .checkpoint import check_readable, draft_dir
-from .config import parse, warn_past_window
+from .config import parse
 from .kernels import count_valid
 
 log = logging.getLogger("spec_graph")
@@ -463,8 +463,6 @@ class VllmAdapter:
             super()._raise_if_padded_drafter_batch_disabled()
             return super().load_model(target_model)
         K = self.num_speculative_tokens
-        if self.max_model_len > args.window:
-            warn_past_window(self.max_model_len, args.window, self.draft_model_config.model)  # as the config check
         slots, cache_len = self.max_slots + 1, cache_length(self.max_model_len, K)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = kv_cache_bytes(args, slots, cache_len, itemsize)
