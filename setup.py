@@ -24,7 +24,7 @@ setup(
         "tokenizers",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "scipy", "triton>=3.6; platform_system == 'Linux'"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers", "scipy", "triton>=3.6; platform_system == 'Linux'"],
         "vllm": ["vllm>=0.32"],
     },
     entry_points={
