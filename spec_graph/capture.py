@@ -119,8 +119,16 @@ class GraphSet:
 
 
 def _key(args) -> tuple:
-    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else type(a)
-                 for a in args)
+    # A number's value is part of the key: a graph replays the kernel arguments it recorded, so a symbolic int or
+    # a float passed by Dynamo gets a graph per value rather than the first value's results.
+    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor)
+                 else (type(a), a) if isinstance(a, (bool, int, float)) else type(a) for a in args)
+
+
+def _needs_autograd(args) -> bool:
+    """Whether this call builds an autograd graph: replays would copy into recorded leaves and leave the gradients
+    on the recorded call's tensors, so such calls run uncaptured."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 class CapturedFunction:
@@ -143,6 +151,12 @@ class CapturedFunction:
         self.fallback_warned = False
 
     def __call__(self, *args):
+        if _needs_autograd(args):
+            if not self.fallback_warned:
+                self.fallback_warned = True
+                log.warning("spec-graph: inputs that require grad run uncaptured (a graph replay cannot carry "
+                            "autograd); call under torch.no_grad() or torch.inference_mode() to replay graphs")
+            return self.fn(*args)
         key = _key(args)
         if key in self.graphs:
             static = self.static_args[key]

@@ -49,7 +49,8 @@ class SpecGraphConfig:
         engine picks K from ``k_choices`` (one graph each per batch bucket, in one memory pool), the K that
         finishes the work left soonest by smoothed per-position acceptance estimates (over all rows and per row)
         and each K's step time measured when the graphs are captured (adaptive.py).
-    max_speculative_tokens: the largest K "auto" may pick (1..16, default 8); ignored with a fixed K.
+    max_speculative_tokens: the largest K "auto" may pick (1..16, default 8); checked, and otherwise unused, with a
+        fixed K.
     max_batch_size: request slots decoded together; more prompts are queued.
     max_len: longest prompt + generated tokens a request may reach. None (the default) means 512, lowered
         to the models' window (max_position_embeddings) when that is shorter; a max_len given above the

@@ -20,6 +20,9 @@ HOST_REPLAYS = 8  # replays per timing of the host's work per replay
 # the whole cache) are timed fewer times; their noise is small against their length. Without it "auto" at
 # max_len 32768 on a CPU spent 70 s timing before its first token.
 TIMING_BUDGET_S = 0.25
+# ... but at least this many timed runs each (the least of them is kept): one run that a hiccup of the machine
+# stretched (50-100x a CPU step's time was seen) would otherwise price its K for the engine's life.
+MIN_TIMED_RUNS = 2
 
 
 def _seconds(fn) -> float:
@@ -68,7 +71,7 @@ class StepTimes:
                             run()
                             plat.synchronize()
                             times.append(time.perf_counter() - t0)
-                            if i and sum(times[1:]) >= TIMING_BUDGET_S:
+                            if i >= MIN_TIMED_RUNS and sum(times[1:]) >= TIMING_BUDGET_S:
                                 break
                         at.append(min(times[1:]) / N)
                     per = max(at[-1] - at[0], 0.0) / (hi - lo)

@@ -366,3 +366,56 @@ def test_gpu_long_contexts_and_graph_replay(dtype):
         out = graphs.replay("attn")
         plat.synchronize()
         assert _close(out, decode_attention_ref(q, k, v, 0, None, pos), dtype), lives
+
+
+def _bad_inputs():
+    """(what is wrong, the call's arguments): each a misuse of the attention ops' contract."""
+    B, T, Hq, Hkv, D, Lc = 2, 3, 4, 2, 16, 32
+    q, kc = torch.randn(B, T, Hq, D), torch.randn(2, 3, Hkv, Lc, D)
+    pos, slots = torch.arange(T).repeat(B, 1), torch.tensor([0, 2])
+    return [
+        ("heads", (torch.randn(B, T, 3, D), kc, kc, 0, slots, pos)),
+        ("dtype", (q, kc.bfloat16(), kc.bfloat16(), 0, slots, pos)),
+        ("head dim", (torch.randn(B, T, Hq, 24), torch.randn(2, 3, Hkv, Lc, 24), torch.randn(2, 3, Hkv, Lc, 24),
+                      0, slots, pos)),
+        ("q's head dim", (torch.randn(B, T, Hq, 32), kc, kc, 0, slots, pos)),
+        ("v_cache", (q, kc, torch.randn(2, 3, Hkv, Lc + 16, D), 0, slots, pos)),
+        ("layer", (q, kc, kc, 2, slots, pos)),
+        ("positions shape", (q, kc, kc, 0, slots, torch.arange(T + 1).repeat(B, 1))),
+        ("positions dtype", (q, kc, kc, 0, slots, pos.float())),
+        ("positions past the cache", (q, kc, kc, 0, slots, pos + Lc - 2)),
+        ("negative position", (q, kc, kc, 0, slots, pos - 1)),
+        ("slots shape", (q, kc, kc, 0, slots[:1], pos)),
+        ("slot past the caches", (q, kc, kc, 0, torch.tensor([0, 3]), pos)),
+    ]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("op", ["decode_attention", "prefill_attention"])
+def test_inputs_outside_the_contract_are_refused_on_every_path(op, broken, monkeypatch):
+    """Each misuse is one ValueError naming it, before the op picks its kernel or its reference (on CPU without
+    the interpreter the reference runs, which would otherwise fail deep in torch or answer from garbage). Control:
+    with the shapes taken unchecked, misuses pass or fail otherwise."""
+    import spec_graph.kernels as kernels
+
+    if broken:
+        def unchecked(name, q, k_cache, v_cache, *rest):
+            B, T, Hq, D = q.shape
+            return B, T, Hq, D, k_cache.shape[2], k_cache.shape[3], Hq // k_cache.shape[2]
+        monkeypatch.setattr(_att, "attention_shapes", unchecked)
+        monkeypatch.setattr(importlib.import_module("spec_graph.kernels.prefill_attention"), "attention_shapes",
+                            unchecked)
+    fn = getattr(kernels, op) if hasattr(kernels, op) else getattr(
+        importlib.import_module("spec_graph.kernels.prefill_attention"), op)
+    refused = []
+    for what, args in _bad_inputs():
+        try:
+            fn(*args)
+        except ValueError:
+            refused.append(what)
+        except Exception:  # noqa: BLE001 - the control's failures from deep inside torch
+            pass
+    if broken:
+        assert len(refused) < len(_bad_inputs()) // 2, refused
+    else:
+        assert refused == [what for what, _ in _bad_inputs()]

@@ -393,6 +393,70 @@ def test_captured_function_runs_each_call_once():
     assert torch.equal(moved, torch.ones(3))
 
 
+def _backend_on_a_graph_platform(monkeypatch):
+    """torch.compile through the spec_graph backend on the stand-in graph platform: its replays re-run the recorded
+    call with the recorded arguments, as a CUDA graph replays its kernels' recorded arguments."""
+    import spec_graph.backend as backend_mod
+
+    plat = fake_platform()
+    monkeypatch.setattr(backend_mod._platform, "get", lambda device=None: plat)
+    torch._dynamo.reset()
+    return plat
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_number_argument_gets_a_graph_per_value(broken, monkeypatch):
+    """Dynamo passes a Python number that it made symbolic as a plain argument; a graph recorded at one value must
+    not serve another. Control: keyed by the number's type alone, the third value's graph serves the rest."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_key", lambda args: tuple(
+            (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a) for a in args))
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    f = torch.compile(lambda x, n: x * n, backend="spec_graph")
+    x = torch.ones(3)
+    values = [n for n in range(1, 5) for _ in range(3)]  # each value warms up, records, then replays
+    got = [f(x, n) for n in values]
+    right = all(torch.equal(g, x * n) for g, n in zip(got, values))
+    assert right != broken, [g.tolist() for g in got]
+    assert plat.events.count("replay") >= 1  # the graphs did replay
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_inputs_that_require_grad_train_through_the_backend(broken, monkeypatch):
+    """A training loop (a fresh leaf input each step) gets eager's gradients, uncaptured with one warning.
+    Control: captured anyway, a later step copies into the recorded leaf and fails, or its gradients go astray."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_needs_autograd", lambda args: False)
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    w = torch.randn(4, 4, requires_grad=True)
+    f = torch.compile(lambda x: (x @ w).tanh().sum(), backend="spec_graph")
+    ok = True
+    for _ in range(4):
+        x = torch.randn(2, 4, requires_grad=True)
+        try:
+            f(x).backward()
+        except RuntimeError:
+            ok = False
+            break
+        got = (w.grad.clone(), None if x.grad is None else x.grad.clone())
+        w.grad, x.grad = None, None
+        (x @ w).tanh().sum().backward()
+        ok = ok and torch.allclose(got[0], w.grad, atol=1e-6) and got[1] is not None and \
+            torch.allclose(got[1], x.grad, atol=1e-6)
+        w.grad = None
+    assert ok != broken
+    if not broken:
+        assert "record" not in plat.events
+        with torch.no_grad():  # inference still replays graphs
+            for _ in range(3):
+                f(torch.randn(2, 4))
+        assert plat.events.count("record") == 1
+
+
 def test_graph_set_shares_one_pool():
     plat = fake_platform()
     gs = GraphSet(plat)

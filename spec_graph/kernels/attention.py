@@ -14,6 +14,9 @@
 - Returns [B, T, Hq, D] in q's dtype; the softmax accumulates in fp32.
 - num_splits: key-range splits per (row, kv head) (flash-decoding); 0 picks one on the host from
   static shapes and the device's SM count, so the choice is capturable.
+- Inputs outside this contract raise one ValueError on every path (`attention_shapes`); the values of
+  positions and slots are checked on CPU tensors in eager calls, and on a device they are the caller's to keep
+  (reading them there would sync).
 
 `decode_attention_ref` is the math of models/llama.py's Attention (masked attention over the whole
 buffer, fp32 softmax, probabilities cast to q's dtype before p @ v), so the CPU path is unchanged.
@@ -224,15 +227,44 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, B, T, HKV, G, NUM_SPLITS, so
 
 
 # ------------------------------------------------------------------ launch
-def attention_shapes(op: str, q, k_cache, v_cache) -> tuple:
-    """(B, T, Hq, D, Hkv, Lc, G) of an attention kernel's inputs, once they are checked to fit its tiles."""
+def attention_shapes(op: str, q, k_cache, v_cache, layer: int, slots, positions) -> tuple:
+    """(B, T, Hq, D, Hkv, Lc, G) of an attention op's inputs, once they are checked against its contract (one
+    ValueError naming the problem, on every device and path). Values (positions within the cache, slots that exist)
+    are checked where reading them costs no device sync: eager calls on CPU tensors."""
+    if q.dim() != 4 or k_cache.dim() != 5:
+        raise ValueError(f"{op} takes q [B, T, Hq, D] and caches [layers, slots, Hkv, Lc, D]; got q of "
+                         f"{tuple(q.shape)} and k_cache of {tuple(k_cache.shape)}")
     B, T, Hq, D = q.shape
-    _, _, Hkv, Lc, _ = k_cache.shape
+    layers, n_slots, Hkv, Lc, Dk = k_cache.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or Dk != D:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share one "
+                         f"shape whose last dim is q's head dim {D}")
     if Hq % Hkv or D != block_for(D) or D < 16:
         raise ValueError(f"{op} needs Hq % Hkv == 0 and D a power of two >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q, k_cache and v_cache must share one dtype")
+        raise ValueError(f"{op}: q, k_cache and v_cache must share one dtype (got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype})")
+    if not 0 <= layer < layers:
+        raise ValueError(f"{op}: layer {layer} is not in the caches' {layers} layers")
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool or tuple(positions.shape) != (B, T):
+        raise ValueError(f"{op}: positions must be integer [B, T] = [{B}, {T}], one per query; got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if slots is not None and (slots.dtype.is_floating_point or slots.dtype == torch.bool
+                              or tuple(slots.shape) != (B,)):
+        raise ValueError(f"{op}: slots must be None or integer [B] = [{B}]; got {slots.dtype} {tuple(slots.shape)}")
+    if _concrete_cpu(positions) and positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < Lc:
+        raise ValueError(f"{op}: positions must lie in [0, {Lc}) (the cache's length); got "
+                         f"{int(positions.min())}..{int(positions.max())}")
+    if slots is not None and _concrete_cpu(slots) and slots.numel() and \
+            not 0 <= int(slots.min()) <= int(slots.max()) < n_slots:
+        raise ValueError(f"{op}: slots must lie in [0, {n_slots}) (the caches' slots); got "
+                         f"{int(slots.min())}..{int(slots.max())}")
     return B, T, Hq, D, Hkv, Lc, Hq // Hkv
+
+
+def _concrete_cpu(t: torch.Tensor) -> bool:
+    """A plain CPU tensor in an eager call: its values can be read without a sync or a trace."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) -> int:
@@ -248,9 +280,9 @@ def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.dev
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                          slots: Optional[torch.Tensor], positions: torch.Tensor, window: int = 0,
                          scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+    B, T, Hq, D, Hkv, Lc, G = attention_shapes("decode_attention", q, k_cache, v_cache, layer, slots, positions)
     if not use_kernel(_decode_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
-    B, T, Hq, D, Hkv, Lc, G = attention_shapes("decode_attention", q, k_cache, v_cache)
     dev = q.device
     splits = num_splits if num_splits > 0 else auto_num_splits(B, Hkv, Lc, dev)
     kc, vc = k_cache[layer], v_cache[layer]  # [slots, Hkv, Lc, D] views

@@ -98,9 +98,9 @@ def positions_per_tile(group: int) -> int:
 def _prefill_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                           slots: Optional[torch.Tensor], positions: torch.Tensor, window: int = 0,
                           scale: Optional[float] = None) -> torch.Tensor:
+    B, T, Hq, D, Hkv, Lc, G = attention_shapes("prefill_attention", q, k_cache, v_cache, layer, slots, positions)
     if not use_kernel(_prefill_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
-    B, T, Hq, D, Hkv, Lc, G = attention_shapes("prefill_attention", q, k_cache, v_cache)
     dev = q.device
     kc, vc = k_cache[layer], v_cache[layer]  # [slots, Hkv, Lc, D] views
     pos = positions.contiguous()
