@@ -41,6 +41,7 @@ class BackendOptions:
         kernels either way, but each decomposed call site costs the compile a trace and analysis of the kernel's
         source (over half of a speculative step's compile); an opaque op costs a Python launch per call, which a
         captured graph does not replay: for functions replayed from graphs (the engine's steps).
+    mode: torch.compile's mode, for callers that pass options too (torch.compile takes one or the other).
     """
 
     passes: dict = field(default_factory=dict)
@@ -49,6 +50,7 @@ class BackendOptions:
     inductor: dict = field(default_factory=dict)
     on_passes: Callable[[dict | None], Any] | None = None
     opaque_kernels: bool = False
+    mode: str | None = None
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -66,17 +68,23 @@ class BackendOptions:
         for name in ("passes", "inductor"):
             if not isinstance(getattr(opts, name), dict):
                 raise ValueError(f"options[{name!r}] must be a dict, got {getattr(opts, name)!r}")
+        check_mode(opts.mode)
         check_device(opts.device)
         check_enabled(opts.passes, "options['passes']")
         check_inductor_keys(opts.inductor)
         return opts
 
 
-def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
-                       options: dict | None = None, **kwargs: Any):
+def check_mode(mode) -> None:
     if mode not in _MODES:
         raise ValueError(f"unknown mode {mode!r} for the spec_graph backend; use one of {_MODES[1:]}")
+
+
+def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+                       options: dict | None = None, **kwargs: Any):
+    check_mode(mode)
     opts = BackendOptions.parse(options)
+    mode = mode or opts.mode
     warn_if_split(gm)
     findings = find_host_reads(gm)
     if findings:
@@ -165,6 +173,7 @@ def check_inductor_keys(patches: dict) -> None:
     would raise a bare AttributeError from inside the compile."""
     unknown = [k for k in patches if not _inductor_knows(k)]
     if not unknown:
+        _check_inductor_types(patches)
         return
     import difflib
 
@@ -177,6 +186,22 @@ def check_inductor_keys(patches: dict) -> None:
         named.append(f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     raise ValueError(f"unknown inductor option(s) in options['inductor']: {', '.join(named)}; torch "
                      f"{torch.__version__}'s torch._inductor.config has no such key: fix the name or drop it")
+
+
+def _check_inductor_types(patches: dict) -> None:
+    """Refuse a value whose type is not its key's (a bool, int, float or str setting), as inductor's own config
+    does for backend="inductor": without it {"max_autotune": "false"} would read as on."""
+    from torch._inductor import config
+
+    defaults = config.get_config_copy()
+    for key, value in patches.items():
+        default = defaults.get(key)
+        want = type(default) if isinstance(default, (bool, int, float, str)) else None
+        ok = (want is None or value is None or isinstance(value, want) and (want is not int or not isinstance(
+            value, bool)) or want is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"options['inductor'][{key!r}] must be of type {want.__name__} (as "
+                             f"torch._inductor.config.{key} is), got {value!r}")
 
 
 def backend_compile(fn: Callable, device: str, passes: dict | None = None, inductor: dict | None = None,

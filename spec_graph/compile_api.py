@@ -155,8 +155,8 @@ def compile(fn: Callable | None = None, *, mode: str | None = None, options: dic
     graph break or a host read raises :class:`HostSyncError` naming every sync point as ``file:line: op``.
 
     ``options`` are the backend's (``spec_graph.backend.BackendOptions``: ``passes``, ``capture``, ``device``,
-    ``inductor``). Other keyword arguments go to ``torch.compile`` (``fullgraph`` must stay True). Usable as
-    ``@spec_graph.compile`` or ``@spec_graph.compile(mode=...)``.
+    ``inductor``), checked here; ``mode`` may come with them. Other keyword arguments go to ``torch.compile``
+    (``fullgraph`` must stay True). Usable as ``@spec_graph.compile`` or ``@spec_graph.compile(mode=...)``.
 
     On a graph break the original ``fn`` is run (eagerly, twice, as ``torch._dynamo.explain`` does) on the
     failing call's arguments to collect every sync point, and Dynamo is reset."""
@@ -169,6 +169,10 @@ def compile(fn: Callable | None = None, *, mode: str | None = None, options: dic
 
     from . import backend
 
+    if options is not None and mode is not None:  # torch.compile takes one of the two: the mode rides in options
+        options, mode = {**options, "mode": mode}, None
+    backend.BackendOptions.parse(options)  # a bad option is refused here, not at the first call
+    backend.check_mode(mode)
     backend.register()  # resolvable by name from a source tree too (the package registers an entry point)
     compiled = torch.compile(fn, backend=backend.BACKEND_NAME, fullgraph=True, mode=mode, options=options,
                              dynamic=dynamic, **kwargs)

@@ -266,8 +266,13 @@ def test_compile_options_and_decorator(eager_compile_stage):
     torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 2.0))
     with pytest.raises(TypeError):
         spec_graph.compile(f, fullgraph=False)
-    with pytest.raises(Exception, match="unknown spec_graph backend option"):  # Dynamo wraps the backend's
-        spec_graph.compile(no_break, options={"nope": 1})(torch.ones(2))
+    with pytest.raises(ValueError, match="unknown spec_graph backend option"):  # at the decoration, unwrapped
+        spec_graph.compile(no_break, options={"nope": 1})
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        spec_graph.compile(no_break, mode="fast")
+    # torch.compile takes mode or options: spec_graph.compile takes both (the mode rides in the options)
+    g = spec_graph.compile(no_break, mode="max-autotune-no-cudagraphs", options={"capture": False, **CPU})
+    torch.testing.assert_close(g(torch.ones(2)), no_break(torch.ones(2)))
 
 
 def test_unknown_inductor_option_is_refused_by_name(eager_compile_stage):
@@ -282,7 +287,11 @@ def test_unknown_inductor_option_is_refused_by_name(eager_compile_stage):
         torch.compile(double, backend="spec_graph", options={"inductor": {"nonexistent_opt": 1}})(torch.ones(2))
     with pytest.raises(ValueError, match=r"'max_autotun' \(did you mean 'max_autotune'\?\)"):
         sg_backend.BackendOptions.parse({"inductor": {"max_autotun": True}})
-    known = {"max_autotune": False, "triton.cudagraphs": False}
+    for bad, kind in (({"max_autotune": "false"}, "bool"), ({"max_autotune": 1}, "bool"),
+                      ({"compile_threads": 2.5}, "int")):  # inductor's own config refuses these types too
+        with pytest.raises(ValueError, match=rf"must be of type {kind} \(as torch._inductor.config"):
+            sg_backend.BackendOptions.parse({"inductor": bad})
+    known = {"max_autotune": False, "triton.cudagraphs": False, "compile_threads": 1}
     assert sg_backend.BackendOptions.parse({"inductor": known}).inductor == known
     torch.testing.assert_close(spec_graph.compile(double, options={"capture": False, "inductor": known, **CPU})(
         torch.ones(2)), torch.full((2,), 2.0))
@@ -486,6 +495,30 @@ def test_a_print_or_log_in_the_step_is_named(eager_compile_stage, fn, op, hint):
         torch._dynamo.reset()
         out = spec_graph.compile(fixed, options={"capture": False, **CPU})(torch.ones(3))
     torch.testing.assert_close(out, fn(torch.ones(3)))
+
+
+def step_that_logs_a_tensor(x):
+    y = x * 2
+    _LOG.info("step %s", y)
+    return y + 1
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_log_of_a_tensor_is_one_finding_at_its_line(broken, monkeypatch):
+    """Dynamo traces into Logger.info when a tensor is logged and resumes inside it: that resume function's line
+    is logging's, not this file's. One finding, at the call. Control: a resume function of another file's function
+    read as the step's file reports a second finding at a line this file does not have there."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_defines", lambda file, name: True)
+    src, first = inspect.getsourcelines(step_that_logs_a_tensor)
+    want = [("logging", HERE, first + next(i for i, x in enumerate(src) if "_LOG." in x))]
+    torch._dynamo.reset()
+    got = [(f.op, f.file, f.line) for f in _check_findings(step_that_logs_a_tensor)]
+    assert (got == want) != broken, got
+
+
+def _check_findings(fn):
+    return spec_graph.check(fn, torch.ones(3)).findings
 
 
 def test_the_split_warnings_stay_importable_from_host_sync():

@@ -450,13 +450,19 @@ def _resume_breaks(names: Iterable[str], known_files: dict[str, str], default_fi
         fn, line = m.group("name"), int(m.group("line"))
         while (inner := _RESUME_RE.match(fn)) is not None:
             fn = inner.group("name")
-        file = known_files.get(fn, default_file)
+        file = known_files.get(fn) or (default_file if _defines(default_file, fn) else None)
         if not file or _is_internal(file):  # only the user's lines; a break inside torch has a recorded reason
-            continue
+            continue  # (nor one inside a library the step calls, such as logging's Logger.info)
         seg = linecache.getline(file, line).strip()
         op, detail = _classify_break("", seg)
         out.append(Finding(op, file, line, detail))
     return out
+
+
+def _defines(file: str, name: str) -> bool:
+    """Whether `file` has a def of `name` (a resume function's line is then that file's)."""
+    pattern = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(name)}\s*\(")
+    return bool(file) and any(pattern.match(line) for line in linecache.getlines(file))
 
 
 @contextlib.contextmanager
