@@ -20,7 +20,10 @@ How a match becomes the op:
   nothing else reads the old value -- no clone, no copy back; else it clones.
 * Callers drop outputs (``_, num_acc, _, ...``) and DCE removes their nodes,
   so an all-outputs pattern would not match real code. Here only the append
-  is required; every other output is matched where present. A match is
+  is required; every other output is matched where present, as long as every
+  input is still read by what remains (dropping the outputs that alone read an
+  input, such as the new lengths, leaves that input unbound: no fusion). K
+  must be static (a symbolic K is not matched). A match is
   refused when one of its inner nodes is used outside it (nothing would be
   saved) or when an input depends on the match (the op would feed itself).
 
