@@ -396,6 +396,37 @@ def test_split_function_warns_once(backend_calls, eager_compile_stage):
     assert "spec_graph.check" in str(w.message)
 
 
+def split_at_a_print(x):
+    print("x", x)
+    return x + 1
+
+
+def split_at_a_log(x):
+    _LOG.warning("x=%s", x)
+    return x + 1
+
+
+def split_at_tolist(x):
+    n = len(x.tolist())
+    return x + n
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("fn, op", [(split_at_a_print, "print"), (split_at_a_log, "logging"),
+                                    (split_at_tolist, "tolist")])
+def test_a_split_before_any_traced_op_names_its_cause(fn, op, broken, eager_compile_stage, monkeypatch):
+    """A break before the function's first traced op leaves Dynamo's reason empty (only the resume function's
+    piece reaches the backend): the warning names the cause from the source line. Control: without that read it
+    gives the place alone."""
+    if broken:
+        monkeypatch.setattr(graph_split, "_source_reason", lambda file, line: None)
+    torch._dynamo.reset()
+    reset_split_warnings()
+    got = _split_warnings(fn, torch.ones(3))
+    assert len(got) == 1
+    assert (f"({op}: " in str(got[0].message)) != broken, str(got[0].message)
+
+
 def test_compile_raises_after_an_earlier_split_compile(backend_calls, eager_compile_stage):
     """torch.compile of the function (which splits it, with the warning) first, then spec_graph.compile: Dynamo's
     cache of the split graph, keyed by code and not by fullgraph, must not serve the fullgraph call."""

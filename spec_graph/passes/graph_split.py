@@ -2,6 +2,7 @@
 at a graph break: once per function, naming the break's ``file:line`` and what it is."""
 from __future__ import annotations
 
+import linecache
 import warnings
 
 import torch
@@ -39,7 +40,7 @@ def _split_info(gm: torch.fx.GraphModule):
     for fs in stack:  # the piece after a break: Dynamo compiles a resume function
         root, line = _root_name(fs.name)
         if line is not None:
-            return fs.filename, root, fs.filename, line, None
+            return fs.filename, root, fs.filename, line, _source_reason(fs.filename, line)
     # Fallbacks where the reason carries no stack: the compile's frame name, then node stack traces.
     names: list[tuple[str, str]] = []
     try:
@@ -61,8 +62,14 @@ def _split_info(gm: torch.fx.GraphModule):
     for file, name in names:
         root, line = _root_name(name)
         if line is not None:
-            return file, root, file, line, None
+            return file, root, file, line, _source_reason(file, line)
     return None
+
+
+def _source_reason(file: str, line: int) -> str | None:
+    """What the break's source line shows (a print, a log, .tolist(), ...), where it shows one."""
+    op, detail = _classify_break("", linecache.getline(file, line).strip())
+    return None if op == "graph break" else f"{op}: {detail}"
 
 
 def warn_if_split(gm: torch.fx.GraphModule) -> bool:
