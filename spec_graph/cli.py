@@ -259,9 +259,13 @@ def _generate(a) -> int:
         if a.max_speculative_tokens is not None and a.k != "auto":
             raise ValueError("--max-speculative-tokens bounds -k auto: add -k auto, or drop it")
         if a.k == "auto" and a.seed is not None and a.temperature > 0:
-            print("spec-graph: warning: with -k auto the K of each step follows step times this process measures, "
-                  "so sampled tokens repeat under --seed within one engine only; give a fixed -k for output that "
-                  "repeats from run to run", file=sys.stderr)
+            from .step_times import CACHE_ENV, cache_dir
+
+            if cache_dir() is None:
+                print(f"spec-graph: warning: with -k auto the K of each step follows step times this process "
+                      f"measures, and {CACHE_ENV} is off, so none are kept: sampled tokens repeat under --seed "
+                      f"within one engine only; unset {CACHE_ENV} (or point it at a folder), or give a fixed -k, "
+                      "for output that repeats from run to run", file=sys.stderr)
         cfg = SpecGraphConfig(num_speculative_tokens=a.k, **({} if a.max_speculative_tokens is None else
                                                              {"max_speculative_tokens": a.max_speculative_tokens}),
                               max_batch_size=8 if a.max_batch_size is None else a.max_batch_size,

@@ -179,6 +179,20 @@ class SpecDecoder(DecoderBase):
                          use_graphs=bool(self.compiled and plat.supports_graphs))
         self.span_steps = not self.compiled  # an eager step reads the caches up to its rows' span alone
 
+    def _timing_identity(self) -> str:
+        """What adaptive K's step times depend on: both models' shapes (not their weights), the config, the device
+        and the versions of what compiles and runs the steps, and the kernels' launch settings."""
+        import hashlib
+        import sys
+
+        from . import __version__
+        from .kernels import launch_key
+
+        parts = [repr(self.target.args), repr(self.draft.args), repr(self.config), str(self.device),
+                 self.platform.device_name(), self.compiled, self.graphs is not None, torch.__version__,
+                 getattr(sys.modules.get("triton"), "__version__", None), __version__, launch_key()]
+        return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, target_dir, draft_dir, config: SpecGraphConfig | None = None) -> "SpecDecoder":

@@ -2,11 +2,20 @@
 measured once when the graphs are captured and fixed from then on (so the chooser stays deterministic).
 
 ``StepTimes`` is a part of ``runtime.DecoderBase``: it times the engine's own captured steps, with every row
-made active as a request would be, and puts the state back afterwards.
+made active as a request would be, and puts the state back afterwards. An engine that names what its steps
+depend on (``_timing_identity``: the models' shapes, the config, the device, the versions) keeps the table in
+a file under ``$SPEC_GRAPH_CACHE_DIR`` (default ``~/.cache/spec_graph``; "" or "0": none), and a later engine
+with the same identity reads it instead of timing: the same seed then gives the same Ks, and so the same sampled
+tokens, across engines and processes on one machine.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +34,16 @@ TIMING_BUDGET_S = 0.25
 MIN_TIMED_RUNS = 2
 
 
+CACHE_ENV = "SPEC_GRAPH_CACHE_DIR"
+log = logging.getLogger("spec_graph")
+
+
+def cache_dir() -> Path | None:
+    """Where measured tables are kept, or None where the environment turns that off."""
+    d = os.environ.get(CACHE_ENV, "~/.cache/spec_graph")
+    return None if d.strip() in ("", "0") else Path(d).expanduser() / "step_times"
+
+
 def _seconds(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -36,6 +55,49 @@ class StepTimes:
     {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
     set beforehand are kept (``_timed`` holds the keys measured here)."""
 
+    def _timing_identity(self) -> str | None:
+        """A digest of everything the steps' times depend on (None: the table is not kept in a file)."""
+        return None
+
+    def _times_file(self) -> Path | None:
+        ident, d = self._timing_identity(), cache_dir()
+        return None if ident is None or d is None else d / f"{ident}.json"
+
+    def _load_times(self) -> None:
+        """Entries the table's file holds for this identity and the caller has not set (an unreadable or malformed
+        file is ignored: its steps are timed again and the file rewritten)."""
+        path = self._times_file()
+        if path is None or not path.is_file():
+            return
+        try:
+            data = json.loads(path.read_text())
+            steps = {(bool(g), int(b), int(k)): (float(v[0]), float(v[1])) if isinstance(v, list) else float(v)
+                     for g, b, k, v in data["steps"]}
+            host = {(bool(g), int(b)): float(v) for g, b, v in data["host"]}
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
+            return
+        for table, entries in ((self.step_times, steps), (self.host_times, host)):
+            for key, value in entries.items():
+                if key not in table:
+                    table[key] = value
+                    self._timed.add(key)
+
+    def _save_times(self) -> None:
+        """The entries measured (or read) here into the table's file, written whole and then renamed into place."""
+        path = self._times_file()
+        if path is None:
+            return
+        steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in self.step_times.items() if k in self._timed]
+        host = [[*k, v] for k, v in self.host_times.items() if k in self._timed]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+                json.dump({"steps": steps, "host": host}, f)
+            os.replace(f.name, path)
+        except OSError as e:  # a read-only home, say: the table stays this engine's own
+            log.info("spec-graph: the step-time table was not kept (%s)", e)
+
     def _time_steps(self, greedy: bool, repeats: int = 3, upto: int | None = None) -> None:
         """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
         rows' mean live length. Timed with every row active (drafting, verifying, attending as a request would)
@@ -43,6 +105,7 @@ class StepTimes:
         request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
         Fixed from here on: the chooser stays deterministic. `upto`: the buckets up to it alone."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
+        self._load_times()
         # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
         buckets = [b for b in self._buckets() if (upto is None or b <= upto)
                    and any((greedy, b, K) not in self.step_times for K in self.k_choices)]
@@ -84,6 +147,7 @@ class StepTimes:
             for k, v in snap.items():
                 st[k].copy_(v)
             self._caches_touched()  # the timed steps wrote every row's caches
+        self._save_times()
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays

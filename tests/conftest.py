@@ -8,6 +8,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Adaptive K's step-time tables are not read from or kept in a user's cache: tests that need one set their own.
+os.environ["SPEC_GRAPH_CACHE_DIR"] = ""
 
 from helpers import build_tokenizer, make_checkpoint, perturbed_copy  # noqa: E402
 

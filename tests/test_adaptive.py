@@ -2,8 +2,10 @@
 counters, the stats, determinism, N steps per replay, capture per K, and the CLI."""
 import itertools
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -583,6 +585,31 @@ def test_auto_sampling_repeats_under_a_seed(llama_pair):
     assert len(set(runs[0].stats.k_per_step)) >= 2
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_auto_sampling_repeats_under_a_seed_across_engines(llama_pair, tmp_path, monkeypatch, broken):
+    """Two engines built alike give the same Ks and sampled tokens for one seed: the second reads the step-time
+    table the first measured, kept under SPEC_GRAPH_CACHE_DIR. Here the second engine's own timings would be
+    other ones (every K but the largest made slower), as a busy machine's are. Control: with no table kept, the
+    second engine times its own steps, and its Ks and tokens part from the first's."""
+    import spec_graph.step_times as step_times_mod
+
+    monkeypatch.setenv(step_times_mod.CACHE_ENV, "" if broken else str(tmp_path))
+    cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=4, max_len=64, max_batch_size=4)
+    first = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    want = first.generate(PROMPTS, 24, temperature=1.0, seed=7)
+    assert first.step_times and (broken or list(tmp_path.rglob("*.json")))
+    second = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    real = second._timed_run
+
+    def slower_below_the_largest(key, length):
+        run = real(key, length)
+        return run if key[2] == max(second.k_choices) else (lambda: (time.sleep(0.02), run())[1])
+    monkeypatch.setattr(second, "_timed_run", slower_below_the_largest)
+    got = second.generate(PROMPTS, 24, temperature=1.0, seed=7)
+    same = ([r.token_ids for r in got], got.stats.k_per_step) == ([r.token_ids for r in want], want.stats.k_per_step)
+    assert same != broken
+
+
 def test_auto_costs_no_extra_host_read(llama_pair, monkeypatch):
     """Per replay the host reads the device once, with "auto" as with a fixed K."""
     reads = []
@@ -631,7 +658,8 @@ def test_cli_k_auto(llama_pair):
     assert len(stats["acceptance_rate_per_position"]) == 3
     r = _cli(*base, "-k", "auto", "--quiet")
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
-    # sampled under a seed, the Ks follow this process's step times: the user is told; a fixed K is not warned
+    # sampled under a seed with no step-time table kept (as the tests run), the Ks follow this process's step
+    # times: the user is told; a fixed K is not warned
     for k, warned in (("auto", True), ("3", False)):
         r = _cli(*base, "-k", k, "--quiet", "--temperature", "0.8", "--seed", "1")
         assert r.returncode == 0 and ("repeats from run to run" in r.stderr) == warned, r.stderr
@@ -639,6 +667,22 @@ def test_cli_k_auto(llama_pair):
                      (["-k", "3", "--max-speculative-tokens", "4"], "add -k auto")):
         r = _cli(*base, *bad)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_k_auto_sampled_repeats_from_run_to_run_with_the_table_kept(llama_pair, tmp_path):
+    """With SPEC_GRAPH_CACHE_DIR set, the second run reads the first run's step times: the same tokens and Ks,
+    and no warning."""
+    t, d = map(str, llama_pair)
+    args = ["generate", "--target", t, "--draft", d, "--prompt-ids", "5,9,17", "--max-new-tokens", "16",
+            "--device", "cpu", "-k", "auto", "--temperature", "1", "--seed", "3", "--json", "--quiet"]
+    env = {**os.environ, "SPEC_GRAPH_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-m", "spec_graph.cli", *args], capture_output=True, text=True,
+                           timeout=300, env=env) for _ in range(2)]
+    assert all(r.returncode == 0 and not r.stderr.strip() for r in runs), [r.stderr for r in runs]
+    out = [json.loads(r.stdout) for r in runs]
+    assert out[0]["outputs"][0]["token_ids"] == out[1]["outputs"][0]["token_ids"]
+    assert out[0]["stats"]["k_per_step"] == out[1]["stats"]["k_per_step"]
+    assert len(list(tmp_path.rglob("*.json"))) == 1
 
 
 def test_auto_compiled_step_counts_inside_the_graph(llama_pair):
