@@ -119,8 +119,8 @@ class GraphSet:
 
 
 def _key(args) -> tuple:
-    # A number's value is part of the key: a graph replays the kernel arguments it recorded, so a symbolic int or
-    # a float passed by Dynamo gets a graph per value rather than the first value's results.
+    # A Python number's value is part of the key: a graph replays the kernel arguments it recorded, so a symbolic
+    # int passed by Dynamo gets a graph per value rather than the first value's results.
     return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor)
                  else (type(a), a) if isinstance(a, (bool, int, float)) else type(a) for a in args)
 
