@@ -118,11 +118,36 @@ class GraphSet:
         return self.outputs[key] if out is None else out
 
 
+# Graphs per input-shape key that differ only in the values of number arguments; past it such calls run the
+# compiled function uncaptured (a number that changes at every call would otherwise record a graph each time).
+MAX_VALUE_GRAPHS = 8
+
+
 def _key(args) -> tuple:
-    # A Python number's value is part of the key: a graph replays the kernel arguments it recorded, so a symbolic
-    # int passed by Dynamo gets a graph per value rather than the first value's results.
-    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor)
+    # A number's value is part of the key: a graph replays the kernel arguments it recorded, so a symbolic int, or
+    # a float that Dynamo passes as a CPU scalar tensor and reads with item(), gets a graph per value rather than
+    # the first value's results.
+    return tuple(_tensor_key(a) if isinstance(a, torch.Tensor)
                  else (type(a), a) if isinstance(a, (bool, int, float)) else type(a) for a in args)
+
+
+def _tensor_key(a: torch.Tensor) -> tuple:
+    key = (tuple(a.shape), a.dtype, a.device, a.stride())
+    return key + ((_VALUE, a.item()),) if a.device.type == "cpu" and a.dim() == 0 else key
+
+
+_VALUE = "value"
+
+
+def _shapes(key: tuple) -> tuple:
+    """The key without the numbers' values."""
+    def strip(k):
+        if isinstance(k, tuple) and len(k) == 2 and k[0] in (bool, int, float):
+            return k[0]
+        if isinstance(k, tuple) and len(k) == 5 and isinstance(k[4], tuple) and k[4][0] == _VALUE:
+            return k[:4]
+        return k
+    return tuple(strip(k) for k in key)
 
 
 def _needs_autograd(args) -> bool:
@@ -148,12 +173,13 @@ class CapturedFunction:
         self.graphs = graphs or GraphSet(plat)
         self.seen: set = set()
         self.static_args: dict[tuple, list] = {}
-        self.fallback_warned = False
+        self.warned: set[str] = set()  # the uncaptured fallbacks warned about ("autograd", "values")
+        self.values_seen: dict[tuple, int] = {}  # number-valued keys seen per shape key (MAX_VALUE_GRAPHS)
 
     def __call__(self, *args):
         if _needs_autograd(args):
-            if not self.fallback_warned:
-                self.fallback_warned = True
+            if "autograd" not in self.warned:
+                self.warned.add("autograd")
                 log.warning("spec-graph: inputs that require grad run uncaptured (a graph replay cannot carry "
                             "autograd); call under torch.no_grad() or torch.inference_mode() to replay graphs")
             return self.fn(*args)
@@ -168,6 +194,16 @@ class CapturedFunction:
             for s, a in moved:
                 a.copy_(s)
             return _clone(out)
+        if key not in self.seen and key != _shapes(key):
+            shapes = _shapes(key)
+            self.values_seen[shapes] = self.values_seen.get(shapes, 0) + 1
+            if self.values_seen[shapes] > MAX_VALUE_GRAPHS:  # (a NaN, never equal to itself, lands here too)
+                if "values" not in self.warned:
+                    self.warned.add("values")
+                    log.warning("spec-graph: a number argument took over %d values at one input shape; further "
+                                "values run uncaptured (pass a changing number as a tensor to replay one graph)",
+                                MAX_VALUE_GRAPHS)
+                return self.fn(*args)
         if key not in self.seen or key in self.graphs.failed:
             self.seen.add(key)
             return self.fn(*args)

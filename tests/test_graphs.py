@@ -423,6 +423,21 @@ def test_a_number_argument_gets_a_graph_per_value(broken, monkeypatch):
     assert plat.events.count("replay") >= 1  # the graphs did replay
 
 
+def test_numbers_of_many_values_stop_recording_graphs(monkeypatch, caplog):
+    """A number that takes a new value at every call would record a graph each time: past MAX_VALUE_GRAPHS values
+    at one input shape they run uncaptured (one warning), still right; a NaN, never equal to itself, too."""
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    f = torch.compile(lambda x, t: x * t, backend="spec_graph")
+    x = torch.ones(3)
+    values = [0.5 + n for n in range(capture_mod.MAX_VALUE_GRAPHS + 12) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="spec_graph"):
+        assert all(torch.equal(f(x, t), x * t) for t in values)
+        assert all(f(x, float("nan")).isnan().all() for _ in range(3))
+    # Dynamo bakes the first float into its first graph (or two), then passes the float as a CPU scalar tensor
+    assert 3 <= plat.events.count("record") <= capture_mod.MAX_VALUE_GRAPHS + 2 < len(set(values))
+    assert sum("took over" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_inputs_that_require_grad_train_through_the_backend(broken, monkeypatch):
     """A training loop (a fresh leaf input each step) gets eager's gradients, uncaptured with one warning.

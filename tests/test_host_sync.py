@@ -552,6 +552,27 @@ def _check_findings(fn):
     return spec_graph.check(fn, torch.ones(3)).findings
 
 
+def scaled(x, t):
+    return x * t
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_python_float_argument_is_not_a_host_read(broken, monkeypatch):
+    """Dynamo passes a float it left unspecialized (after a second value) as a CPU scalar tensor and reads it back
+    with item() in the graph: no device sync, so no finding. Control: counted as a read, the second value fails."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_reads_a_wrapped_number", lambda node: False)
+    sg_backend.register()
+    torch._dynamo.reset()
+    f = torch.compile(scaled, backend="spec_graph", options={"capture": False, **CPU})
+    x = torch.ones(3)
+    try:
+        ok = all(torch.equal(f(x, t), x * t) for t in (0.5, 1.5, 2.5))
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's HostSyncError
+        ok = not isinstance(getattr(e, "inner_exception", e), HostSyncError)
+    assert ok != broken
+
+
 def test_the_split_warnings_stay_importable_from_host_sync():
     """warn_if_split and reset_split_warnings moved to graph_split; host_sync still hands them out."""
     from spec_graph.passes.host_sync import reset_split_warnings as moved

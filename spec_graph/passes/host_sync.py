@@ -353,7 +353,7 @@ def find_host_reads(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[Finding]:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     found: dict[tuple, Finding] = {}
     for node in graph.nodes:
-        if node.op not in ("call_function", "call_method"):
+        if node.op not in ("call_function", "call_method") or _reads_a_wrapped_number(node):
             continue
         try:
             hit = _classify_node(node)
@@ -371,6 +371,16 @@ def find_host_reads(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[Finding]:
         if key not in found:
             found[key] = Finding(op, file, line, detail)
     return list(found.values())
+
+
+def _reads_a_wrapped_number(node: torch.fx.Node) -> bool:
+    """An item() of an input that Dynamo made from a Python number (a float it left unspecialized travels as a
+    CPU scalar tensor and is read back so): the value came from the host, and reading it syncs nothing."""
+    if node.target != "item" and node.target is not torch.ops.aten._local_scalar_dense.default:
+        return False
+    src = node.args[0] if node.args else None
+    grapharg = src.meta.get("grapharg") if isinstance(src, torch.fx.Node) and src.op == "placeholder" else None
+    return bool(getattr(grapharg, "pass_arg_as_tensor", False))
 
 
 # --------------------------------------------------------------------------------------------------------------
