@@ -193,10 +193,18 @@ def _check_inductor_types(patches: dict) -> None:
     does for backend="inductor": without it {"max_autotune": "false"} would read as on."""
     from torch._inductor import config
 
+    get_type = getattr(config, "get_type", None)  # the declared type, where this torch has one
     defaults = config.get_config_copy()
     for key, value in patches.items():
-        default = defaults.get(key)
-        want = type(default) if isinstance(default, (bool, int, float, str)) else None
+        if get_type is not None:
+            try:
+                declared = get_type(key)
+            except Exception:  # noqa: BLE001 - an odd key: inductor's own check has the last word
+                declared = None
+            want = declared if declared in (bool, int, float, str) else None  # unions and Literals: left alone
+        else:
+            default = defaults.get(key)
+            want = type(default) if isinstance(default, (bool, int, float, str)) else None
         ok = (want is None or value is None or isinstance(value, want) and (want is not int or not isinstance(
             value, bool)) or want is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:

@@ -128,12 +128,17 @@ def _key(args) -> tuple:
     # a float that Dynamo passes as a CPU scalar tensor and reads with item(), gets a graph per value rather than
     # the first value's results.
     return tuple(_tensor_key(a) if isinstance(a, torch.Tensor)
-                 else (type(a), a) if isinstance(a, (bool, int, float)) else type(a) for a in args)
+                 else (type(a), _exact(a)) if isinstance(a, (bool, int, float)) else type(a) for a in args)
+
+
+def _exact(v):
+    # floats by their bits: -0.0 is not 0.0 here, and a NaN is one key
+    return float(v).hex() if isinstance(v, float) else v
 
 
 def _tensor_key(a: torch.Tensor) -> tuple:
     key = (tuple(a.shape), a.dtype, a.device, a.stride())
-    return key + ((_VALUE, a.item()),) if a.device.type == "cpu" and a.dim() == 0 else key
+    return key + ((_VALUE, _exact(a.item())),) if a.device.type == "cpu" and a.dim() == 0 else key
 
 
 _VALUE = "value"
@@ -197,7 +202,7 @@ class CapturedFunction:
         if key not in self.seen and key != _shapes(key):
             shapes = _shapes(key)
             self.values_seen[shapes] = self.values_seen.get(shapes, 0) + 1
-            if self.values_seen[shapes] > MAX_VALUE_GRAPHS:  # (a NaN, never equal to itself, lands here too)
+            if self.values_seen[shapes] > MAX_VALUE_GRAPHS:
                 if "values" not in self.warned:
                     self.warned.add("values")
                     log.warning("spec-graph: a number argument took over %d values at one input shape; further "

@@ -188,8 +188,10 @@ class SpecDecoder(DecoderBase):
         from . import __version__
         from .kernels import launch_key
 
-        parts = [repr(self.target.args), repr(self.draft.args), repr(self.config), str(self.device),
-                 self.platform.device_name(), self.compiled, self.graphs is not None, torch.__version__,
+        weights = [str(m.model.embed_tokens.weight.dtype) for m in (self.target, self.draft)]
+        parts = [repr(self.target.args), repr(self.draft.args), repr(self.config), weights, str(self.device),
+                 self.platform.device_name(), torch.get_num_threads() if self.device.type == "cpu" else None,
+                 self.compiled, self.graphs is not None, torch.__version__,
                  getattr(sys.modules.get("triton"), "__version__", None), __version__, launch_key()]
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 

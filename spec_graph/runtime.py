@@ -372,7 +372,7 @@ class DecoderBase(StepTimes):
         self._captured_modes.clear()
         self._fallback_warned = False
         self.capture_report.clear()  # the graphs it counted are gone; the next capture reports its own
-        for key in self._timed:  # re-measured at the next capture; entries a caller set stay
+        for key in self._timed:  # re-read or re-measured at the next capture; entries a caller set stay
             self.step_times.pop(key, None)
             self.host_times.pop(key, None)
         self._timed.clear()

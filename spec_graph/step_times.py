@@ -10,6 +10,7 @@ tokens, across engines and processes on one machine.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -41,7 +42,12 @@ log = logging.getLogger("spec_graph")
 def cache_dir() -> Path | None:
     """Where measured tables are kept, or None where the environment turns that off."""
     d = os.environ.get(CACHE_ENV, "~/.cache/spec_graph")
-    return None if d.strip() in ("", "0") else Path(d).expanduser() / "step_times"
+    if d.strip() in ("", "0"):
+        return None
+    try:
+        return Path(d).expanduser() / "step_times"
+    except RuntimeError:  # no home to expand ~ into: nothing is kept
+        return None
 
 
 def _seconds(fn) -> float:
@@ -63,12 +69,11 @@ class StepTimes:
         ident, d = self._timing_identity(), cache_dir()
         return None if ident is None or d is None else d / f"{ident}.json"
 
-    def _load_times(self) -> None:
-        """Entries the table's file holds for this identity and the caller has not set (an unreadable or malformed
-        file is ignored: its steps are timed again and the file rewritten)."""
-        path = self._times_file()
-        if path is None or not path.is_file():
-            return
+    def _read_times(self, path: Path) -> tuple[dict, dict]:
+        """(step entries, host entries) of a table's file; empty where it is missing, unreadable or malformed (its
+        steps are then timed again and the file rewritten)."""
+        if not path.is_file():
+            return {}, {}
         try:
             data = json.loads(path.read_text())
             steps = {(bool(g), int(b), int(k)): (float(v[0]), float(v[1])) if isinstance(v, list) else float(v)
@@ -76,27 +81,45 @@ class StepTimes:
             host = {(bool(g), int(b)): float(v) for g, b, v in data["host"]}
         except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
             log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
+            return {}, {}
+        return steps, host
+
+    def _load_times(self, overwrite: bool = False) -> None:
+        """Entries the table's file holds for this identity, where the caller has set none (``overwrite``: over
+        the entries measured here too, so that an engine that timed a step another process kept first prices it
+        as that one does)."""
+        path = self._times_file()
+        if path is None:
             return
-        for table, entries in ((self.step_times, steps), (self.host_times, host)):
+        for table, entries in zip((self.step_times, self.host_times), self._read_times(path)):
             for key, value in entries.items():
-                if key not in table:
+                if key not in table or (overwrite and key in self._timed):
                     table[key] = value
                     self._timed.add(key)
 
     def _save_times(self) -> None:
-        """The entries measured (or read) here into the table's file, written whole and then renamed into place."""
+        """The entries measured (or read) here, joined with what the file holds by then (its entries win: another
+        engine may already price steps by them), written whole and renamed into place."""
         path = self._times_file()
         if path is None:
             return
+        self._load_times(overwrite=True)
         steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in self.step_times.items() if k in self._timed]
         host = [[*k, v] for k, v in self.host_times.items() if k in self._timed]
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+                tmp = f.name
                 json.dump({"steps": steps, "host": host}, f)
-            os.replace(f.name, path)
+            os.replace(tmp, path)
+            tmp = None
         except OSError as e:  # a read-only home, say: the table stays this engine's own
             log.info("spec-graph: the step-time table was not kept (%s)", e)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _time_steps(self, greedy: bool, repeats: int = 3, upto: int | None = None) -> None:
         """Each (bucket, K)'s step as ``(base_s, per_position_s)``: seconds per step = base + per_position x the
@@ -105,10 +128,14 @@ class StepTimes:
         request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
         Fixed from here on: the chooser stays deterministic. `upto`: the buckets up to it alone."""
         plat, N, st = self.platform, self.config.steps_per_graph, self.state
-        self._load_times()
-        # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
-        buckets = [b for b in self._buckets() if (upto is None or b <= upto)
-                   and any((greedy, b, K) not in self.step_times for K in self.k_choices)]
+
+        def left():  # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
+            return [b for b in self._buckets() if (upto is None or b <= upto)
+                    and any((greedy, b, K) not in self.step_times for K in self.k_choices)]
+        buckets = left()
+        if buckets:
+            self._load_times()
+            buckets = left()
         if not buckets:
             return
         lo = 16

@@ -387,6 +387,7 @@ def _bad_inputs():
         ("negative position", (q, kc, kc, 0, slots, pos - 1)),
         ("slots shape", (q, kc, kc, 0, slots[:1], pos)),
         ("slot past the caches", (q, kc, kc, 0, torch.tensor([0, 3]), pos)),
+        ("rows past the slots", (torch.randn(4, T, Hq, D), kc, kc, 0, None, torch.arange(T).repeat(4, 1))),
     ]
 
 

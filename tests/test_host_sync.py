@@ -288,10 +288,11 @@ def test_unknown_inductor_option_is_refused_by_name(eager_compile_stage):
     with pytest.raises(ValueError, match=r"'max_autotun' \(did you mean 'max_autotune'\?\)"):
         sg_backend.BackendOptions.parse({"inductor": {"max_autotun": True}})
     for bad, kind in (({"max_autotune": "false"}, "bool"), ({"max_autotune": 1}, "bool"),
-                      ({"compile_threads": 2.5}, "int")):  # inductor's own config refuses these types too
+                      ({"realize_reads_threshold": 2.5}, "int")):  # inductor's own config refuses these too
         with pytest.raises(ValueError, match=rf"must be of type {kind} \(as torch._inductor.config"):
             sg_backend.BackendOptions.parse({"inductor": bad})
-    known = {"max_autotune": False, "triton.cudagraphs": False, "compile_threads": 1}
+    known = {"max_autotune": False, "triton.cudagraphs": False, "compile_threads": 1, "realize_reads_threshold": 4,
+             "triton.descriptive_names": False}
     assert sg_backend.BackendOptions.parse({"inductor": known}).inductor == known
     torch.testing.assert_close(spec_graph.compile(double, options={"capture": False, "inductor": known, **CPU})(
         torch.ones(2)), torch.full((2,), 2.0))
@@ -540,7 +541,7 @@ def test_a_log_of_a_tensor_is_one_finding_at_its_line(broken, monkeypatch):
     is logging's, not this file's. One finding, at the call. Control: a resume function of another file's function
     read as the step's file reports a second finding at a line this file does not have there."""
     if broken:
-        monkeypatch.setattr(host_sync, "_defines", lambda file, name: True)
+        monkeypatch.setattr(host_sync, "_defines", lambda file, name, line: True)
     src, first = inspect.getsourcelines(step_that_logs_a_tensor)
     want = [("logging", HERE, first + next(i for i, x in enumerate(src) if "_LOG." in x))]
     torch._dynamo.reset()

@@ -249,6 +249,9 @@ def attention_shapes(op: str, q, k_cache, v_cache, layer: int, slots, positions)
     if positions.dtype.is_floating_point or positions.dtype == torch.bool or tuple(positions.shape) != (B, T):
         raise ValueError(f"{op}: positions must be integer [B, T] = [{B}, {T}], one per query; got "
                          f"{positions.dtype} {tuple(positions.shape)}")
+    if slots is None and B > n_slots:
+        raise ValueError(f"{op}: without slots row b reads slot b, and the caches hold {n_slots} slots for {B} rows; "
+                         "pass slots")
     if slots is not None and (slots.dtype.is_floating_point or slots.dtype == torch.bool
                               or tuple(slots.shape) != (B,)):
         raise ValueError(f"{op}: slots must be None or integer [B] = [{B}]; got {slots.dtype} {tuple(slots.shape)}")

@@ -460,7 +460,7 @@ def _resume_breaks(names: Iterable[str], known_files: dict[str, str], default_fi
         fn, line = m.group("name"), int(m.group("line"))
         while (inner := _RESUME_RE.match(fn)) is not None:
             fn = inner.group("name")
-        file = known_files.get(fn) or (default_file if _defines(default_file, fn) else None)
+        file = known_files.get(fn) or (default_file if _defines(default_file, fn, line) else None)
         if not file or _is_internal(file):  # only the user's lines; a break inside torch has a recorded reason
             continue  # (nor one inside a library the step calls, such as logging's Logger.info)
         seg = linecache.getline(file, line).strip()
@@ -469,10 +469,17 @@ def _resume_breaks(names: Iterable[str], known_files: dict[str, str], default_fi
     return out
 
 
-def _defines(file: str, name: str) -> bool:
-    """Whether `file` has a def of `name` (a resume function's line is then that file's)."""
-    pattern = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(name)}\s*\(")
-    return bool(file) and any(pattern.match(line) for line in linecache.getlines(file))
+def _defines(file: str, name: str, line: int) -> bool:
+    """Whether `file` has a def of `name` spanning `line` (a resume function's line is then that file's)."""
+    import ast
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(file))) if file else None
+    except (SyntaxError, ValueError):
+        return False
+    return tree is not None and any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+        and n.lineno <= line <= (n.end_lineno or n.lineno) for n in ast.walk(tree))
 
 
 @contextlib.contextmanager
