@@ -1,5 +1,6 @@
 """Adaptive K (num_speculative_tokens="auto"): the chooser's math, the engine's per-replay choice, its device
 counters, the stats, determinism, N steps per replay, capture per K, and the CLI."""
+import copy
 import itertools
 import json
 import os
@@ -13,6 +14,7 @@ from helpers import fake_platform, hf_greedy
 
 import spec_graph.adaptive as adaptive_mod
 import spec_graph.runtime as runtime_mod
+import spec_graph.step_times as step_times_mod
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.adaptive import ChoiceAhead, KChooser, expected_tokens
 from spec_graph.export import ExportError, export_pair
@@ -591,8 +593,6 @@ def test_auto_sampling_repeats_under_a_seed_across_engines(llama_pair, tmp_path,
     table the first measured, kept under SPEC_GRAPH_CACHE_DIR. Here the second engine's own timings would be
     other ones (every K but the largest made slower), as a busy machine's are. Control: with no table kept, the
     second engine times its own steps, and its Ks and tokens part from the first's."""
-    import spec_graph.step_times as step_times_mod
-
     monkeypatch.setenv(step_times_mod.CACHE_ENV, "" if broken else str(tmp_path))
     cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=4, max_len=64, max_batch_size=4)
     first = SpecDecoder.from_pretrained(*llama_pair, cfg)
@@ -696,3 +696,65 @@ def test_auto_compiled_step_counts_inside_the_graph(llama_pair):
     assert outs[1].stats.k_per_step == outs[0].stats.k_per_step and len(set(outs[1].stats.k_per_step)) == 2
     assert dec.k_counts.sum(0).tolist() == eager.k_counts.sum(0).tolist() == _host_counts(outs[1], 2)
     assert {k for _, k in dec._fns} == {1, 2}
+
+
+# ------------------------------------------------------------------ the kept step-time table
+class _Table(step_times_mod.StepTimes):
+    """A step-time table alone: what two engines built alike share through the file."""
+
+    def __init__(self, identity="one-pair"):
+        self.step_times, self.host_times, self._timed, self.identity = {}, {}, set(), identity
+
+    def _timing_identity(self):
+        return self.identity
+
+    def measured(self, key, value):
+        self.step_times[key] = value
+        self._timed.add(key)
+        return self
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
+    """Two engines with one identity that time steps side by side save one after the other: the file keeps the
+    steps of both, and where both timed a step the one saved first wins, in the file and in the second engine's
+    table (the first may already price its Ks by it). Control: a save that writes its own entries alone drops
+    the first engine's."""
+    monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
+    if broken:
+        monkeypatch.setattr(step_times_mod.StepTimes, "_load_times", lambda self, overwrite=False: None)
+    first = _Table().measured((True, 1, 1), (1.0, 0.0)).measured((True, 1, 2), (2.0, 0.0))
+    second = _Table().measured((True, 1, 2), (9.0, 0.0)).measured((True, 1, 3), (3.0, 0.0))
+    first._save_times()
+    second._save_times()
+    kept = json.loads(first._times_file().read_text())["steps"]
+    both = sorted(kept) == [[True, 1, 1, [1.0, 0.0]], [True, 1, 2, [2.0, 0.0]], [True, 1, 3, [3.0, 0.0]]]
+    assert (both and second.step_times[(True, 1, 2)] == (2.0, 0.0)) != broken, kept
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_failed_save_leaves_no_file_behind(tmp_path, monkeypatch, broken):
+    """A save whose rename fails (a full disk, say) leaves the cache as it found it, and the engine goes on
+    with its own table. Control: without the clean-up the written temporary file stays."""
+    monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(step_times_mod.os, "replace", full_disk)
+    if broken:
+        monkeypatch.setattr(step_times_mod.os, "unlink", lambda path: None)
+    table = _Table().measured((True, 1, 1), (1.0, 0.0))
+    table._save_times()
+    assert table.step_times == {(True, 1, 1): (1.0, 0.0)}
+    assert (list(tmp_path.rglob("*")) == [tmp_path / "step_times"]) != broken
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_models_of_another_dtype_keep_another_table(llama_pair, broken):
+    """The step times of bf16 weights are not those of fp32 ones, even under one config (models built by the
+    caller): the table's identity holds the weights' dtype. Control: the same models give the same identity."""
+    dec = SpecDecoder.from_pretrained(*llama_pair, SpecGraphConfig(num_speculative_tokens="auto",
+                                                                   max_speculative_tokens=2, max_len=64))
+    models = [m if broken else copy.deepcopy(m).to(torch.bfloat16) for m in (dec.target, dec.draft)]
+    other = SpecDecoder(*models, dec.config, dec.tokenizer, dec.eos_token_ids)
+    assert (other._timing_identity() != dec._timing_identity()) != broken

@@ -439,6 +439,26 @@ def test_numbers_of_many_values_stop_recording_graphs(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_a_float_argument_gets_a_graph_per_value_and_sign(broken, monkeypatch):
+    """Dynamo passes a float it made dynamic as a CPU scalar tensor and reads it with item(), which a CUDA graph
+    bakes in: each value, -0.0 apart from 0.0, gets its own graph. (The stand-in platform's replay runs item()
+    again, so the graphs are counted here; the results are checked on CUDA.) Control: keyed by ==, 0.0 replays
+    -0.0's graph."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_exact", lambda v: v)
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    f = torch.compile(lambda x, t: x * t, backend="spec_graph")
+    x = torch.ones(3)
+    values = [t for t in (0.5, 1.5, 2.5, -0.0, 0.0) for _ in range(3)]  # each warms up, records, then replays
+    got = [f(x, t) for t in values]
+    assert all(torch.equal(g, x * t) and torch.equal(g.signbit(), (x * t).signbit()) for g, t in zip(got, values))
+    assert (plat.events.count("record") == 5) != broken, plat.events
+    assert plat.events.count("replay") >= 5
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_inputs_that_require_grad_train_through_the_backend(broken, monkeypatch):
     """A training loop (a fresh leaf input each step) gets eager's gradients, uncaptured with one warning.
     Control: captured anyway, a later step copies into the recorded leaf and fails, or its gradients go astray."""
