@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -54,8 +54,11 @@ class BackendOptions:
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
-        options = dict(options or {})
         known = set(cls.__dataclass_fields__)
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"options must be a dict of spec_graph backend options (keys {sorted(known)}), got "
+                             f"{type(options).__name__} {options!r}")
+        options = dict(options or {})
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown spec_graph backend option(s) {unknown}; known: {sorted(known)}")

@@ -112,6 +112,11 @@ class GraphSet:
         log.warning("spec-graph: capture of %r failed (%s); that batch runs uncaptured", key, self.failed[key])
         return False
 
+    def drop(self, key) -> None:
+        """Forgets the key's graph (its memory stays in the pool for the graphs recorded after it)."""
+        self.graphs.pop(key, None)
+        self.outputs.pop(key, None)
+
     def replay(self, key):
         out = self.platform.replay(self.graphs[key])
         # A real graph refreshes the static outputs in place; a stand-in platform may return fresh ones.
@@ -165,11 +170,15 @@ class CapturedFunction:
     """Wraps a compiled function: one static graph per input-shape key, replayed thereafter.
 
     The first call with a new key runs for real (warm-up); the second records
-    the graph with the call's own tensors as the static inputs and replays it
-    once, so every call's side effects happen exactly once. Later calls copy
-    inputs whose storage moved into the static ones (and copy them back
-    afterwards, since the function may update inputs in place), replay, and
-    return copies of the outputs.
+    the graph and replays it once, so every call's side effects happen exactly
+    once. A tensor passed at the same address in both calls (a parameter, a
+    buffer, a persistent state) is recorded as itself; any other is recorded
+    through a private copy, which each later call fills from its own tensor
+    and copies back from afterwards (the function may update inputs in place),
+    so no caller's tensor is ever written by another call. An input recorded
+    as itself that a later call passes at another address gets a private copy
+    and the graph is recorded again. Outputs that view an input are returned
+    as views of the caller's tensor; other outputs are returned as copies.
     """
 
     def __init__(self, fn: Callable, plat: "_platform.Platform", graphs: GraphSet | None = None):
@@ -178,50 +187,96 @@ class CapturedFunction:
         self.graphs = graphs or GraphSet(plat)
         self.seen: set = set()
         self.static_args: dict[tuple, list] = {}
-        self.warned: set[str] = set()  # the uncaptured fallbacks warned about ("autograd", "values")
+        self.private: dict[tuple, frozenset[int]] = {}  # per key: the inputs recorded through private copies
+        self.warmup_ptrs: dict[tuple, list] = {}  # per key: the warm-up call's tensor addresses
+        self.warned: set[str] = set()  # the uncaptured fallbacks warned about ("autograd", "values", "moved")
         self.values_seen: dict[tuple, int] = {}  # number-valued keys seen per shape key (MAX_VALUE_GRAPHS)
 
     def __call__(self, *args):
         if _needs_autograd(args):
-            if "autograd" not in self.warned:
-                self.warned.add("autograd")
-                log.warning("spec-graph: inputs that require grad run uncaptured (a graph replay cannot carry "
-                            "autograd); call under torch.no_grad() or torch.inference_mode() to replay graphs")
+            self._warn_once("autograd", "spec-graph: inputs that require grad run uncaptured (a graph replay cannot "
+                            "carry autograd); call under torch.no_grad() or torch.inference_mode() to replay graphs")
             return self.fn(*args)
         key = _key(args)
         if key in self.graphs:
-            static = self.static_args[key]
-            moved = [(s, a) for s, a in zip(static, args)
-                     if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr()]
-            for s, a in moved:
-                s.copy_(a)
-            out = self.graphs.replay(key)
-            for s, a in moved:
-                a.copy_(s)
-            return _clone(out)
+            return self._replay(key, args)
         if key not in self.seen and key != _shapes(key):
             shapes = _shapes(key)
             self.values_seen[shapes] = self.values_seen.get(shapes, 0) + 1
             if self.values_seen[shapes] > MAX_VALUE_GRAPHS:
-                if "values" not in self.warned:
-                    self.warned.add("values")
-                    log.warning("spec-graph: a number argument took over %d values at one input shape; further "
-                                "values run uncaptured (pass a changing number as a tensor to replay one graph)",
-                                MAX_VALUE_GRAPHS)
+                self._warn_once("values", "spec-graph: a number argument took over %d values at one input shape; "
+                                "further values run uncaptured (pass a changing number as a tensor to replay one "
+                                "graph)", MAX_VALUE_GRAPHS)
                 return self.fn(*args)
         if key not in self.seen or key in self.graphs.failed:
             self.seen.add(key)
+            self.warmup_ptrs[key] = [_ptr(a) for a in args]
             return self.fn(*args)
-        static = list(args)
+        first = self.warmup_ptrs.pop(key, [None] * len(args))
+        return self._record(key, args, frozenset(i for i, (a, p) in enumerate(zip(args, first))
+                                                 if _ptr(a) is not None and _ptr(a) != p and _copyable(a)))
+
+    def _warn_once(self, what: str, msg: str, *fmt) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            log.warning(msg, *fmt)
+
+    def _record(self, key, args, private: frozenset):
+        static = [_private_copy(a) if i in private else a for i, a in enumerate(args)]
         if not self.graphs.capture(key, lambda: self.fn(*static), warmup=0):
             return self.fn(*args)
-        self.static_args[key] = static
-        return _clone(self.graphs.replay(key))
+        self.static_args[key], self.private[key] = static, private
+        return self._replay(key, args)
+
+    def _replay(self, key, args):
+        static, private = self.static_args[key], self.private[key]
+        moved = {i for i, (s, a) in enumerate(zip(static, args)) if i not in private and _ptr(a) != _ptr(s)}
+        if moved:
+            if not all(_copyable(args[i]) for i in moved):  # an overlapping view cannot be copied into
+                self._warn_once("moved", "spec-graph: an input whose elements overlap (an expanded view, say) "
+                                "moved since its graph was recorded; such calls run uncaptured")
+                return self.fn(*args)
+            self.graphs.drop(key)
+            return self._record(key, args, private | moved)
+        for i in private:
+            static[i].copy_(args[i])
+        out = self.graphs.replay(key)
+        for i in private:
+            args[i].copy_(static[i])
+        return _returned(out, static, args)
 
 
-def _clone(out):
-    if isinstance(out, torch.Tensor):
-        return out.clone()
+def _ptr(a):
+    return a.data_ptr() if isinstance(a, torch.Tensor) else None
+
+
+def _copyable(a: torch.Tensor) -> bool:
+    """Whether no two elements share memory (an expanded view's do), so that a private copy can be written."""
+    reach = 0  # the furthest element offset the dims of smaller strides reach
+    for stride, size in sorted((st, sz) for st, sz in zip(a.stride(), a.size()) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+def _private_copy(a: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+
+
+def _returned(out, static: list, args: tuple):
+    """The replay's outputs for the caller: a view of a recorded input as the same view of the caller's tensor
+    (its in-place updates reach the caller's, as in eager), anything else as a copy (the next replay rewrites the
+    graph's outputs)."""
     if isinstance(out, (list, tuple)):
-        return type(out)(_clone(o) for o in out)
-    return out
+        return type(out)(_returned(o, static, args) for o in out)
+    if not isinstance(out, torch.Tensor):
+        return out
+    for s, a in zip(static, args):
+        if isinstance(s, torch.Tensor) and s.device == out.device and \
+                s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            offset = a.storage_offset() + out.storage_offset() - s.storage_offset()
+            if (out.size(), out.stride(), offset) == (a.size(), a.stride(), a.storage_offset()):
+                return a
+            return a.as_strided(out.size(), out.stride(), offset)
+    return out.clone()

@@ -10,7 +10,7 @@ graph break or a host read is an error that names every sync point, never a sile
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -169,7 +169,9 @@ def compile(fn: Callable | None = None, *, mode: str | None = None, options: dic
 
     from . import backend
 
-    if options is not None and mode is not None:  # torch.compile takes one of the two: the mode rides in options
+    if isinstance(options, Mapping) and mode is not None:  # torch.compile takes one of the two: mode rides in options
+        if options.get("mode", mode) != mode:
+            raise ValueError(f"mode={mode!r} and options['mode']={options['mode']!r} disagree: give the mode once")
         options, mode = {**options, "mode": mode}, None
     backend.BackendOptions.parse(options)  # a bad option is refused here, not at the first call
     backend.check_mode(mode)

@@ -459,6 +459,57 @@ def test_a_float_argument_gets_a_graph_per_value_and_sign(broken, monkeypatch):
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_a_call_never_writes_another_callers_tensors(broken, monkeypatch):
+    """A module's fresh inputs are recorded through private copies, its weight (at one address while the graph
+    records) as itself; a later call leaves the recording call's input alone, and a weight the user replaces gets
+    its graph recorded again, the old weight untouched. Control: recorded as the caller's own tensors, a later
+    call's input is copied into the recording call's."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_private_copy", lambda a: a)
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    m = torch.nn.Linear(3, 2)
+    f = torch.compile(m, backend="spec_graph")
+    xs = [torch.full((4, 3), float(i)) for i in range(6)]
+    with torch.no_grad():
+        got = [f(x) for x in xs[:4]]
+        old = m.weight
+        m.weight = torch.nn.Parameter(torch.randn(2, 3))
+        got += [f(x) for x in xs[4:]]
+        want = [torch.nn.functional.linear(x, old if i < 4 else m.weight, m.bias) for i, x in enumerate(xs)]
+    right = all(torch.allclose(g, w) for g, w in zip(got, want))
+    untouched = all(torch.equal(x, torch.full((4, 3), float(i))) for i, x in enumerate(xs))
+    assert (right and untouched) != broken, (right, [x[0, 0].item() for x in xs])
+    assert old.data_ptr() != m.weight.data_ptr() and plat.events.count("record") == 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_output_that_views_an_input_views_the_callers_tensor(broken, monkeypatch):
+    """An output that is a view of an input is, at every call, that view of the caller's tensor, as in eager:
+    writes through it reach the caller's. Control: returned as a copy, from the replays on the writes are lost."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_returned", lambda out, static, args: tuple(o.clone() for o in out))
+    plat = _backend_on_a_graph_platform(monkeypatch)
+
+    def scale_and_tail(x):
+        x.mul_(2)
+        return x[1:], x.sum()
+    f = torch.compile(scale_and_tail, backend="spec_graph")
+    right = []
+    for _ in range(4):
+        x = torch.arange(4.0)
+        with torch.no_grad():
+            tail, total = f(x)
+        tail.fill_(-1)
+        right.append(x.tolist() == [0.0, -1.0, -1.0, -1.0] and total.item() == 12.0)
+    assert all(right) != broken, right
+    assert plat.events.count("replay") >= 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_inputs_that_require_grad_train_through_the_backend(broken, monkeypatch):
     """A training loop (a fresh leaf input each step) gets eager's gradients, uncaptured with one warning.
     Control: captured anyway, a later step copies into the recorded leaf and fails, or its gradients go astray."""

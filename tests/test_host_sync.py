@@ -270,6 +270,11 @@ def test_compile_options_and_decorator(eager_compile_stage):
         spec_graph.compile(no_break, options={"nope": 1})
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         spec_graph.compile(no_break, mode="fast")
+    for bad in ("abc", [("capture", True)]):  # not a dict: named, not a dict() failure or taken as pairs
+        with pytest.raises(ValueError, match="options must be a dict of spec_graph backend options"):
+            spec_graph.compile(no_break, options=bad)
+    with pytest.raises(ValueError, match="disagree: give the mode once"):
+        spec_graph.compile(no_break, mode="default", options={"mode": "max-autotune", **CPU})
     # torch.compile takes mode or options: spec_graph.compile takes both (the mode rides in the options)
     g = spec_graph.compile(no_break, mode="max-autotune-no-cudagraphs", options={"capture": False, **CPU})
     torch.testing.assert_close(g(torch.ones(2)), no_break(torch.ones(2)))
