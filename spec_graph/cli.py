@@ -215,18 +215,21 @@ def _window_for(a, target: str, draft: str, prompts) -> int | None:
     from .config import check_window
     from .models import read_config
     from .models.config import pair_window, window_source
+    from .runtime import load_tokenizer
 
     targs, dargs = read_config(target)[1], read_config(draft)[1]
     window, source = pair_window(targs, dargs), window_source(targs, dargs, target, draft)
     if a.max_len is None:
-        for i, p in enumerate(prompts):  # token ids are measured exactly, before any weights are read
-            if not isinstance(p, str):
-                check_window(len(p), a.max_new_tokens, window, what=f"prompt {i}", source=source,
-                             fix="shorten the prompt or lower --max-new-tokens (--max-len above the window runs "
-                                 "past it, with a warning)")
-        # text is at most one token per byte in the default tokenizer, +2 for special tokens
-        longest = max(len(p.encode()) + 2 if isinstance(p, str) else len(p) for p in prompts)
-        a.max_len = min(max(64, longest + a.max_new_tokens), window)
+        # text through the target's tokenizer, special tokens and all, as the engine encodes it (without one the
+        # engine refuses text: a byte and two specials a token stands in)
+        tok = load_tokenizer(target) if any(isinstance(p, str) for p in prompts) else None
+        lengths = [len(p) if not isinstance(p, str) else len(tok.encode(p).ids) if tok is not None
+                   else len(p.encode()) + 2 for p in prompts]
+        for i, n in enumerate(lengths):  # measured before any weights are read
+            check_window(n, a.max_new_tokens, window, what=f"prompt {i}", source=source,
+                         fix="shorten the prompt or lower --max-new-tokens (--max-len above the window runs "
+                             "past it, with a warning)")
+        a.max_len = min(max(64, max(lengths) + a.max_new_tokens), window)
     return window
 
 

@@ -388,3 +388,25 @@ def test_no_progress_bar_off_a_terminal(capsys, monkeypatch):
     monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
     code, out, err = run_cli(capsys, "generate", "--prompt-ids", "100,101,102", "--max-new-tokens", "20")
     assert code == 0 and "\r" not in err and "/20 tokens" not in err
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_default_max_len_counts_the_tokenizers_special_tokens(capsys, llama_pair, tmp_path, monkeypatch, broken):
+    """The default --max-len fits a text prompt as the target's tokenizer encodes it: here six special tokens go
+    before the text. Control: estimated from the text's bytes, the request is refused as past that max_len."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    import spec_graph.runtime as runtime_mod
+
+    target = Path(shutil.copytree(llama_pair[0], tmp_path / "target"))
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<unk> " * 6 + "$A", special_tokens=[("<unk>", 0)])
+    tok.save(str(target / "tokenizer.json"))
+    if broken:
+        monkeypatch.setattr(runtime_mod, "load_tokenizer", lambda path: None)
+    code, out, err = run_cli(capsys, "generate", "--target", str(target), "--draft", str(llama_pair[1]), "--prompt",
+                             "ab", "--max-new-tokens", "62", "--json")
+    assert (code == 0) != broken, err
+    assert broken or len(json.loads(out)["outputs"][0]["token_ids"]) >= 1
