@@ -192,27 +192,61 @@ def check_inductor_keys(patches: dict) -> None:
 
 
 def _check_inductor_types(patches: dict) -> None:
-    """Refuse a value whose type is not its key's (a bool, int, float or str setting), as inductor's own config
-    does for backend="inductor": without it {"max_autotune": "false"} would read as on."""
+    """Refuse a value whose type is not its key's (a bool, int, float or str setting, one of them or None, or one
+    of a Literal's values), as inductor's own config does for backend="inductor": without it
+    {"max_autotune": "false"} would read as on."""
     from torch._inductor import config
 
     get_type = getattr(config, "get_type", None)  # the declared type, where this torch has one
     defaults = config.get_config_copy()
     for key, value in patches.items():
+        declared = None
         if get_type is not None:
             try:
                 declared = get_type(key)
             except Exception:  # noqa: BLE001 - an odd key: inductor's own check has the last word
-                declared = None
-            want = declared if declared in (bool, int, float, str) else None  # unions and Literals: left alone
-        else:
-            default = defaults.get(key)
-            want = type(default) if isinstance(default, (bool, int, float, str)) else None
-        ok = (want is None or value is None or isinstance(value, want) and (want is not int or not isinstance(
-            value, bool)) or want is float and isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
-            raise ValueError(f"options['inductor'][{key!r}] must be of type {want.__name__} (as "
-                             f"torch._inductor.config.{key} is), got {value!r}")
+                pass
+        kinds, values = _allowed(declared, defaults.get(key))
+        if value is None or (kinds is None and values is None) or any(_is(value, k) for k in kinds or ()) \
+                or any(type(value) is type(v) and value == v for v in values or ()) \
+                or (values is not None and isinstance(value, bool)):  # False: a Literal setting switched off
+            continue
+        want = " or ".join([k.__name__ for k in kinds or ()] + [repr(v) for v in values or ()])
+        raise ValueError(f"options['inductor'][{key!r}] must be {'of type ' if kinds else 'one of '}{want} (as "
+                         f"torch._inductor.config.{key} is), got {value!r}")
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _allowed(declared, default) -> tuple[tuple | None, tuple | None]:
+    """(types, Literal values) a setting may take; (None, None) where its declared type says nothing checkable."""
+    import types
+    import typing
+
+    if declared in _SCALARS:
+        return (declared,), None
+    origin = typing.get_origin(declared)
+    if origin is typing.Literal:
+        return None, typing.get_args(declared)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(declared) if a is not type(None)]
+        literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+        plain = tuple(a for a in args if a in _SCALARS)
+        if len(literals) + len(plain) == len(args):
+            return plain, tuple(v for lit in literals for v in typing.get_args(lit)) or None
+        return None, None
+    if declared is None and isinstance(default, _SCALARS):  # a torch without declared types
+        return (type(default),), None
+    return None, None
+
+
+def _is(value, kind) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def backend_compile(fn: Callable, device: str, passes: dict | None = None, inductor: dict | None = None,

@@ -189,6 +189,7 @@ class CapturedFunction:
         self.static_args: dict[tuple, list] = {}
         self.private: dict[tuple, frozenset[int]] = {}  # per key: the inputs recorded through private copies
         self.warmup_ptrs: dict[tuple, list] = {}  # per key: the warm-up call's tensor addresses
+        self.written: dict[tuple, set[int]] = {}  # per key: the private inputs the function writes
         self.warned: set[str] = set()  # the uncaptured fallbacks warned about ("autograd", "values", "moved")
         self.values_seen: dict[tuple, int] = {}  # number-valued keys seen per shape key (MAX_VALUE_GRAPHS)
 
@@ -212,9 +213,9 @@ class CapturedFunction:
             self.seen.add(key)
             self.warmup_ptrs[key] = [_ptr(a) for a in args]
             return self.fn(*args)
-        first = self.warmup_ptrs.pop(key, [None] * len(args))
+        first, own = self.warmup_ptrs.pop(key, [None] * len(args)), _apart(args)
         return self._record(key, args, frozenset(i for i, (a, p) in enumerate(zip(args, first))
-                                                 if _ptr(a) is not None and _ptr(a) != p and _copyable(a)))
+                                                 if _ptr(a) is not None and _ptr(a) != p and i in own))
 
     def _warn_once(self, what: str, msg: str, *fmt) -> None:
         if what not in self.warned:
@@ -223,27 +224,53 @@ class CapturedFunction:
 
     def _record(self, key, args, private: frozenset):
         static = [_private_copy(a) if i in private else a for i, a in enumerate(args)]
+        before = _versions(static, private)
         if not self.graphs.capture(key, lambda: self.fn(*static), warmup=0):
             return self.fn(*args)
         self.static_args[key], self.private[key] = static, private
+        # the inputs the function writes: a recorded in-place update bumps its tensor's version while it records
+        self.written[key] = {i for i, v in _versions(static, private).items() if v != before[i]}
         return self._replay(key, args)
 
     def _replay(self, key, args):
         static, private = self.static_args[key], self.private[key]
         moved = {i for i, (s, a) in enumerate(zip(static, args)) if i not in private and _ptr(a) != _ptr(s)}
         if moved:
-            if not all(_copyable(args[i]) for i in moved):  # an overlapping view cannot be copied into
-                self._warn_once("moved", "spec-graph: an input whose elements overlap (an expanded view, say) "
-                                "moved since its graph was recorded; such calls run uncaptured")
+            if not moved <= _apart(args):  # an overlapping view, or inputs sharing memory: no copy keeps that
+                self._warn_once("moved", "spec-graph: an input whose elements overlap (an expanded view, say) or "
+                                "that shares memory with another input moved since its graph was recorded; such "
+                                "calls run uncaptured")
                 return self.fn(*args)
             self.graphs.drop(key)
             return self._record(key, args, private | moved)
-        for i in private:
-            static[i].copy_(args[i])
+        with torch.no_grad():  # the copies carry no autograd history (a replay records none)
+            for i in private:
+                static[i].copy_(args[i])
+        before = _versions(static, private)
         out = self.graphs.replay(key)
-        for i in private:
-            args[i].copy_(static[i])
+        # (a stand-in platform runs the function again at a replay: its writes show here)
+        written = self.written[key] = self.written[key] | {i for i, v in _versions(static, private).items()
+                                                           if v != before[i]}
+        with torch.no_grad():
+            for i in written:  # copied back only where written: a caller's tensor is not written otherwise
+                args[i].copy_(static[i])
         return _returned(out, static, args)
+
+
+def _versions(static: list, private: frozenset) -> dict:
+    return {i: static[i]._version for i in private}
+
+
+def _apart(args) -> set:
+    """The tensor inputs a private copy can stand in for: no two of their elements share memory, and they share
+    no memory with another input (a private copy each would part what the function reads as one)."""
+    storages: dict[int, int] = {}
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes():
+            ptr = a.untyped_storage().data_ptr()
+            storages[ptr] = storages.get(ptr, 0) + 1
+    return {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and _copyable(a)
+            and (not a.untyped_storage().nbytes() or storages[a.untyped_storage().data_ptr()] == 1)}
 
 
 def _ptr(a):
@@ -261,7 +288,8 @@ def _copyable(a: torch.Tensor) -> bool:
 
 
 def _private_copy(a: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+    with torch.no_grad():  # the graph's own buffer: no autograd history of the caller's tensor
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
 def _returned(out, static: list, args: tuple):
@@ -272,11 +300,19 @@ def _returned(out, static: list, args: tuple):
         return type(out)(_returned(o, static, args) for o in out)
     if not isinstance(out, torch.Tensor):
         return out
+    if not out.untyped_storage().nbytes():  # nothing to share (every empty storage sits at one address)
+        return out.clone()
     for s, a in zip(static, args):
         if isinstance(s, torch.Tensor) and s.device == out.device and \
                 s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-            offset = a.storage_offset() + out.storage_offset() - s.storage_offset()
-            if (out.size(), out.stride(), offset) == (a.size(), a.stride(), a.storage_offset()):
+            # in bytes: the output may view the input as another dtype
+            at = a.storage_offset() * a.element_size() + (out.storage_offset() * out.element_size()
+                                                           - s.storage_offset() * s.element_size())
+            if at % out.element_size():
+                return out.clone()
+            if (out.dtype, out.size(), out.stride(), at) == (a.dtype, a.size(), a.stride(),
+                                                             a.storage_offset() * a.element_size()):
                 return a
-            return a.as_strided(out.size(), out.stride(), offset)
+            return torch.empty(0, dtype=out.dtype, device=a.device).set_(
+                a.untyped_storage(), at // out.element_size(), out.size(), out.stride())
     return out.clone()

@@ -104,8 +104,12 @@ class StepTimes:
         if path is None:
             return
         self._load_times(overwrite=True)
-        steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in self.step_times.items() if k in self._timed]
-        host = [[*k, v] for k, v in self.host_times.items() if k in self._timed]
+        # the file's entries whole (a key the caller set here is not this engine's to write, but stays the file's)
+        file_steps, file_host = self._read_times(path)
+        steps = {**{k: v for k, v in self.step_times.items() if k in self._timed}, **file_steps}
+        host = {**{k: v for k, v in self.host_times.items() if k in self._timed}, **file_host}
+        steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in steps.items()]
+        host = [[*k, v] for k, v in host.items()]
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -725,11 +725,13 @@ def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
         monkeypatch.setattr(step_times_mod.StepTimes, "_load_times", lambda self, overwrite=False: None)
     first = _Table().measured((True, 1, 1), (1.0, 0.0)).measured((True, 1, 2), (2.0, 0.0))
     second = _Table().measured((True, 1, 2), (9.0, 0.0)).measured((True, 1, 3), (3.0, 0.0))
+    second.step_times[(True, 1, 1)] = (5.0, 0.0)  # set by its caller: not measured here, and not written
     first._save_times()
     second._save_times()
     kept = json.loads(first._times_file().read_text())["steps"]
     both = sorted(kept) == [[True, 1, 1, [1.0, 0.0]], [True, 1, 2, [2.0, 0.0]], [True, 1, 3, [3.0, 0.0]]]
     assert (both and second.step_times[(True, 1, 2)] == (2.0, 0.0)) != broken, kept
+    assert second.step_times[(True, 1, 1)] == (5.0, 0.0)  # the caller's entry stays in its table
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -494,19 +494,71 @@ def test_an_output_that_views_an_input_views_the_callers_tensor(broken, monkeypa
         monkeypatch.setattr(capture_mod, "_returned", lambda out, static, args: tuple(o.clone() for o in out))
     plat = _backend_on_a_graph_platform(monkeypatch)
 
-    def scale_and_tail(x):
+    def scale_and_tail(x, idx):
         x.mul_(2)
-        return x[1:], x.sum()
+        return x[1:], x.sum(), x.view(torch.int32), x[idx] * 2  # the last two: another dtype, and empty
     f = torch.compile(scale_and_tail, backend="spec_graph")
     right = []
     for _ in range(4):
-        x = torch.arange(4.0)
+        x, idx = torch.arange(4.0), torch.zeros(0, dtype=torch.long)
         with torch.no_grad():
-            tail, total = f(x)
+            tail, total, bits, empty = f(x, idx)
+        same_bits = torch.equal(bits, x.view(torch.int32))
         tail.fill_(-1)
-        right.append(x.tolist() == [0.0, -1.0, -1.0, -1.0] and total.item() == 12.0)
+        right.append(x.tolist() == [0.0, -1.0, -1.0, -1.0] and total.item() == 12.0 and same_bits
+                     and bits.dtype == torch.int32 and empty.dtype == torch.float32 and empty.numel() == 0)
     assert all(right) != broken, right
     assert plat.events.count("replay") >= 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_inputs_are_written_back_only_where_the_function_writes_them(broken, monkeypatch):
+    """An input the function only reads is never written (one made under inference_mode may not be, outside
+    it); one it updates in place gets the update at every call. Control: with the writes unseen, the updates
+    after the recording call are lost."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_versions", lambda static, private: {i: 0 for i in private})
+    _backend_on_a_graph_platform(monkeypatch)
+
+    def count_and_double(x, calls):
+        calls.add_(1)
+        return x * 2
+    f = torch.compile(count_and_double, backend="spec_graph")
+    right = []
+    for i in range(4):
+        with torch.inference_mode():
+            x = torch.full((3,), float(i))
+        calls = torch.zeros(2)
+        with torch.no_grad():
+            out = f(x, calls)
+        right.append(torch.equal(out, torch.full((3,), 2.0 * i)) and calls.tolist() == [1.0, 1.0])
+    assert all(right) != broken, right
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_inputs_that_share_memory_keep_sharing_it(broken, monkeypatch):
+    """Two inputs that view one tensor are one memory to the function: a write through one is read through the
+    other, and reaches the caller's tensor. Control: a private copy each parts them, and a write is lost."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_apart", lambda args: {
+            i for i, a in enumerate(args) if isinstance(a, torch.Tensor)})
+    _backend_on_a_graph_platform(monkeypatch)
+
+    def bump_and_read(a, b):
+        a.add_(1)
+        return b * 1
+    f = torch.compile(bump_and_read, backend="spec_graph")
+    right = []
+    for _ in range(4):
+        x = torch.zeros(4)
+        with torch.no_grad():
+            out = f(x, x.view(2, 2))
+        right.append(x.tolist() == [1.0] * 4 and out.tolist() == [[1.0, 1.0], [1.0, 1.0]])
+    assert all(right) != broken, right
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -296,6 +296,13 @@ def test_unknown_inductor_option_is_refused_by_name(eager_compile_stage):
                       ({"realize_reads_threshold": 2.5}, "int")):  # inductor's own config refuses these too
         with pytest.raises(ValueError, match=rf"must be of type {kind} \(as torch._inductor.config"):
             sg_backend.BackendOptions.parse({"inductor": bad})
+    from torch._inductor import config as inductor_config
+    if hasattr(inductor_config, "get_type"):  # declared unions with None, and Literals
+        for bad, want in (({"compile_threads": "4"}, "of type int"),
+                          ({"incremental_autotune": "false"}, "of type bool"),
+                          ({"triton.multi_kernel": "1"}, "one of 0 or 1")):
+            with pytest.raises(ValueError, match=rf"must be {want}"):
+                sg_backend.BackendOptions.parse({"inductor": bad})
     known = {"max_autotune": False, "triton.cudagraphs": False, "compile_threads": 1, "realize_reads_threshold": 4,
              "triton.descriptive_names": False}
     assert sg_backend.BackendOptions.parse({"inductor": known}).inductor == known
