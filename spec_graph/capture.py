@@ -209,13 +209,14 @@ class CapturedFunction:
                                 "further values run uncaptured (pass a changing number as a tensor to replay one "
                                 "graph)", MAX_VALUE_GRAPHS)
                 return self.fn(*args)
-        if key not in self.seen or key in self.graphs.failed:
+        if key not in self.seen:
             self.seen.add(key)
             self.warmup_ptrs[key] = [_ptr(a) for a in args]
             return self.fn(*args)
-        first, own = self.warmup_ptrs.pop(key, [None] * len(args)), _apart(args)
-        return self._record(key, args, frozenset(i for i, (a, p) in enumerate(zip(args, first))
-                                                 if _ptr(a) is not None and _ptr(a) != p and i in own))
+        if key in self.graphs.failed:
+            return self.fn(*args)
+        first, own = self.warmup_ptrs.pop(key), _apart(args)
+        return self._record(key, args, frozenset(i for i in own if _ptr(args[i]) != first[i]))
 
     def _warn_once(self, what: str, msg: str, *fmt) -> None:
         if what not in self.warned:

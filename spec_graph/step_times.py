@@ -84,14 +84,14 @@ class StepTimes:
             return {}, {}
         return steps, host
 
-    def _load_times(self, overwrite: bool = False) -> None:
-        """Entries the table's file holds for this identity, where the caller has set none (``overwrite``: over
-        the entries measured here too, so that an engine that timed a step another process kept first prices it
-        as that one does)."""
+    def _load_times(self, overwrite: bool = False, kept: tuple[dict, dict] | None = None) -> None:
+        """Entries the table's file holds for this identity (or ``kept``, as read from it), where the caller has
+        set none (``overwrite``: over the entries measured here too, so that an engine that timed a step another
+        process kept first prices it as that one does)."""
         path = self._times_file()
         if path is None:
             return
-        for table, entries in zip((self.step_times, self.host_times), self._read_times(path)):
+        for table, entries in zip((self.step_times, self.host_times), kept or self._read_times(path)):
             for key, value in entries.items():
                 if key not in table or (overwrite and key in self._timed):
                     table[key] = value
@@ -103,9 +103,9 @@ class StepTimes:
         path = self._times_file()
         if path is None:
             return
-        self._load_times(overwrite=True)
+        file_steps, file_host = kept = self._read_times(path)
+        self._load_times(overwrite=True, kept=kept)
         # the file's entries whole (a key the caller set here is not this engine's to write, but stays the file's)
-        file_steps, file_host = self._read_times(path)
         steps = {**{k: v for k, v in self.step_times.items() if k in self._timed}, **file_steps}
         host = {**{k: v for k, v in self.host_times.items() if k in self._timed}, **file_host}
         steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in steps.items()]

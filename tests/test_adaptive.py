@@ -722,7 +722,7 @@ def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
     the first engine's."""
     monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
     if broken:
-        monkeypatch.setattr(step_times_mod.StepTimes, "_load_times", lambda self, overwrite=False: None)
+        monkeypatch.setattr(step_times_mod.StepTimes, "_load_times", lambda self, overwrite=False, kept=None: None)
     first = _Table().measured((True, 1, 1), (1.0, 0.0)).measured((True, 1, 2), (2.0, 0.0))
     second = _Table().measured((True, 1, 2), (9.0, 0.0)).measured((True, 1, 3), (3.0, 0.0))
     second.step_times[(True, 1, 1)] = (5.0, 0.0)  # set by its caller: not measured here, and not written
