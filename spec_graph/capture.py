@@ -178,7 +178,8 @@ class CapturedFunction:
     so no caller's tensor is ever written by another call. An input recorded
     as itself that a later call passes at another address gets a private copy
     and the graph is recorded again. Outputs that view an input are returned
-    as views of the caller's tensor; other outputs are returned as copies.
+    as views of the caller's tensor; other outputs are returned as copies (one
+    copy for outputs that view one another).
     """
 
     def __init__(self, fn: Callable, plat: "_platform.Platform", graphs: GraphSet | None = None):
@@ -296,13 +297,42 @@ def _private_copy(a: torch.Tensor) -> torch.Tensor:
 def _returned(out, static: list, args: tuple):
     """The replay's outputs for the caller: a view of a recorded input as the same view of the caller's tensor
     (its in-place updates reach the caller's, as in eager), anything else as a copy (the next replay rewrites the
-    graph's outputs)."""
+    graph's outputs). Outputs that share a graph buffer share their copy too, so a write through one shows in the
+    others, as in eager; an output returned twice comes back as one tensor twice."""
+    given: dict[int, torch.Tensor] = {}  # id(output) -> what the caller gets
+    buffers: dict[tuple, dict[int, torch.Tensor]] = {}  # the graph's own buffers -> the outputs in them
+    for o in _tensors(out):
+        if id(o) in given:
+            continue
+        if o.numel() == 0 or not o.untyped_storage().nbytes():  # nothing to share (empty storages share an address)
+            given[id(o)] = o.clone()
+        else:
+            view = _input_view(o, static, args)
+            if view is not None:
+                given[id(o)] = view
+            else:
+                buffers.setdefault((o.device, o.untyped_storage().data_ptr()), {})[id(o)] = o
+    for group in buffers.values():
+        given.update(_copied_together(list(group.values())))
+    return _rebuilt(out, given)
+
+
+def _tensors(out):
     if isinstance(out, (list, tuple)):
-        return type(out)(_returned(o, static, args) for o in out)
-    if not isinstance(out, torch.Tensor):
-        return out
-    if not out.untyped_storage().nbytes():  # nothing to share (every empty storage sits at one address)
-        return out.clone()
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, torch.Tensor):
+        yield out
+
+
+def _rebuilt(out, given: dict):
+    if isinstance(out, (list, tuple)):
+        return type(out)(_rebuilt(o, given) for o in out)
+    return given[id(out)] if isinstance(out, torch.Tensor) else out
+
+
+def _input_view(out: torch.Tensor, static: list, args: tuple) -> torch.Tensor | None:
+    """``out`` as a view of the caller's tensor where it views a recorded input, else None."""
     for s, a in zip(static, args):
         if isinstance(s, torch.Tensor) and s.device == out.device and \
                 s.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
@@ -310,10 +340,27 @@ def _returned(out, static: list, args: tuple):
             at = a.storage_offset() * a.element_size() + (out.storage_offset() * out.element_size()
                                                            - s.storage_offset() * s.element_size())
             if at % out.element_size():
-                return out.clone()
+                return None
             if (out.dtype, out.size(), out.stride(), at) == (a.dtype, a.size(), a.stride(),
                                                              a.storage_offset() * a.element_size()):
                 return a
             return torch.empty(0, dtype=out.dtype, device=a.device).set_(
                 a.untyped_storage(), at // out.element_size(), out.size(), out.stride())
-    return out.clone()
+    return None
+
+
+def _copied_together(group: list) -> dict:
+    """Copies of outputs in one graph buffer: one copy of the bytes they span, each output its view in it."""
+    if len(group) == 1:
+        return {id(group[0]): group[0].clone()}
+    first = {id(o): o.storage_offset() * o.element_size() for o in group}
+    start = min(first.values())
+    end = max(first[id(o)] + (1 + sum((n - 1) * st for n, st in zip(o.size(), o.stride()))) * o.element_size()
+              for o in group)
+    if any((first[id(o)] - start) % o.element_size() for o in group):  # views no one buffer can hold
+        return {id(o): o.clone() for o in group}
+    dev = group[0].device
+    span = torch.empty(0, dtype=torch.uint8, device=dev).set_(group[0].untyped_storage(), start, (end - start,), (1,))
+    copy = span.clone().untyped_storage()
+    return {id(o): torch.empty(0, dtype=o.dtype, device=dev).set_(copy, (first[id(o)] - start) // o.element_size(),
+                                                                  o.size(), o.stride()) for o in group}

@@ -512,6 +512,33 @@ def test_an_output_that_views_an_input_views_the_callers_tensor(broken, monkeypa
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_outputs_that_share_memory_share_it_for_the_caller(broken, monkeypatch):
+    """Outputs that view one intermediate (``y`` and ``y[1:]``, ``y.view(2, 2)``) share one memory for the caller at
+    every call, as in eager, and one returned twice is one tensor. Control: a copy each, from the replays on a write
+    through one no longer shows in the others."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_copied_together", lambda group: {id(o): o.clone() for o in group})
+    plat = _backend_on_a_graph_platform(monkeypatch)
+
+    def double(x):
+        y = x * 2
+        return y, (y[1:], y.view(2, 2)), y
+    f = torch.compile(double, backend="spec_graph")
+    right = []
+    for i in range(4):
+        with torch.no_grad():
+            y, (tail, square), again = f(torch.arange(4.0) + i)
+        want = (torch.arange(4.0) + i) * 2
+        ok = torch.equal(y, want) and torch.equal(tail, want[1:]) and torch.equal(square, want.view(2, 2))
+        y.fill_(-1)
+        right.append(ok and tail.tolist() == [-1.0] * 3 and square.tolist() == [[-1.0] * 2] * 2 and again is y)
+    assert all(right) != broken, right
+    assert plat.events.count("replay") >= 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_inputs_are_written_back_only_where_the_function_writes_them(broken, monkeypatch):
     """An input the function only reads is never written (one made under inference_mode may not be, outside
     it); one it updates in place gets the update at every call. Control: with the writes unseen, the updates
