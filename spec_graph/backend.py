@@ -111,8 +111,40 @@ def spec_graph_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
         counts = passes.last_counts
         opts.on_passes(None if counts is None else dict(counts))
     if plat.supports_graphs and opts.capture:
-        return CapturedFunction(compiled, plat)
+        return CapturedFunction(compiled, plat, absolute=absolute_inputs(gm))
     return compiled
+
+
+_ABSOLUTE_OPS = ("as_strided", "as_strided_", "as_strided_scatter")
+
+
+def absolute_inputs(gm: torch.fx.GraphModule) -> frozenset:
+    """The inputs (by position) that the graph reaches by absolute storage offsets: an ``as_strided`` of the input or
+    of a tensor made from it may read memory outside the input's own elements, which a private copy lacks."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = set()
+    for node in gm.graph.nodes:
+        if _op_name(node) in _ABSOLUTE_OPS and node.args:
+            seen, todo = set(), [node.args[0]]
+            while todo:
+                n = todo.pop()
+                if not isinstance(n, torch.fx.Node) or n in seen:
+                    continue
+                seen.add(n)
+                if n.op == "placeholder":
+                    found.add(places.index(n))
+                elif n.args:
+                    todo.append(n.args[0])
+    return frozenset(found)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target))
+        return name.split(".")[0]
+    return ""
 
 
 def opaque_ops():

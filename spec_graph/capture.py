@@ -182,10 +182,13 @@ class CapturedFunction:
     copy for outputs that view one another).
     """
 
-    def __init__(self, fn: Callable, plat: "_platform.Platform", graphs: GraphSet | None = None):
+    def __init__(self, fn: Callable, plat: "_platform.Platform", graphs: GraphSet | None = None,
+                 absolute: frozenset = frozenset()):
         self.fn = fn
         self.platform = plat
         self.graphs = graphs or GraphSet(plat)
+        # inputs the function reaches by absolute storage offsets (as_strided): no private copy can stand in
+        self.absolute = absolute
         self.seen: set = set()
         self.static_args: dict[tuple, list] = {}
         self.private: dict[tuple, frozenset[int]] = {}  # per key: the inputs recorded through private copies
@@ -216,7 +219,11 @@ class CapturedFunction:
             return self.fn(*args)
         if key in self.graphs.failed:
             return self.fn(*args)
-        first, own = self.warmup_ptrs.pop(key), _apart(args)
+        first = self.warmup_ptrs.pop(key, None)
+        if first is None:  # a record of this key raised before its capture: warm up again
+            self.warmup_ptrs[key] = [_ptr(a) for a in args]
+            return self.fn(*args)
+        own = _apart(args) - self.absolute
         return self._record(key, args, frozenset(i for i in own if _ptr(args[i]) != first[i]))
 
     def _warn_once(self, what: str, msg: str, *fmt) -> None:
@@ -237,12 +244,13 @@ class CapturedFunction:
     def _replay(self, key, args):
         static, private = self.static_args[key], self.private[key]
         moved = {i for i, (s, a) in enumerate(zip(static, args)) if i not in private and _ptr(a) != _ptr(s)}
+        apart = _apart(args) - self.absolute if moved or private else set()
+        if not (moved | private) <= apart:  # an overlapping view, or inputs sharing memory: no copy keeps that
+            self._warn_once("moved", "spec-graph: an input whose elements overlap (an expanded view, say), that "
+                            "shares memory with another input, or that the function reaches by storage offset "
+                            "(as_strided), is not where its graph recorded it; such calls run uncaptured")
+            return self.fn(*args)
         if moved:
-            if not moved <= _apart(args):  # an overlapping view, or inputs sharing memory: no copy keeps that
-                self._warn_once("moved", "spec-graph: an input whose elements overlap (an expanded view, say) or "
-                                "that shares memory with another input moved since its graph was recorded; such "
-                                "calls run uncaptured")
-                return self.fn(*args)
             self.graphs.drop(key)
             return self._record(key, args, private | moved)
         with torch.no_grad():  # the copies carry no autograd history (a replay records none)
@@ -290,7 +298,9 @@ def _copyable(a: torch.Tensor) -> bool:
 
 
 def _private_copy(a: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():  # the graph's own buffer: no autograd history of the caller's tensor
+    # the graph's own buffer: no autograd history of the caller's tensor, and a normal tensor even under
+    # inference_mode (an inference tensor has no version counter to tell the function's writes by)
+    with torch.no_grad(), torch.inference_mode(False):
         return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
@@ -341,8 +351,7 @@ def _input_view(out: torch.Tensor, static: list, args: tuple) -> torch.Tensor | 
                                                            - s.storage_offset() * s.element_size())
             if at % out.element_size():
                 return None
-            if (out.dtype, out.size(), out.stride(), at) == (a.dtype, a.size(), a.stride(),
-                                                             a.storage_offset() * a.element_size()):
+            if out is s:  # the input itself (a view of it, even of one layout, is another tensor, as in eager)
                 return a
             return torch.empty(0, dtype=out.dtype, device=a.device).set_(
                 a.untyped_storage(), at // out.element_size(), out.size(), out.stride())
@@ -350,9 +359,8 @@ def _input_view(out: torch.Tensor, static: list, args: tuple) -> torch.Tensor | 
 
 
 def _copied_together(group: list) -> dict:
-    """Copies of outputs in one graph buffer: one copy of the bytes they span, each output its view in it."""
-    if len(group) == 1:
-        return {id(group[0]): group[0].clone()}
+    """Copies of outputs in one graph buffer: one copy of the bytes they span, each output its view in it (with
+    the strides it had: a strided view of an intermediate stays strided, an expanded one stays unwritable)."""
     first = {id(o): o.storage_offset() * o.element_size() for o in group}
     start = min(first.values())
     end = max(first[id(o)] + (1 + sum((n - 1) * st for n, st in zip(o.size(), o.stride()))) * o.element_size()

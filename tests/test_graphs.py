@@ -539,6 +539,117 @@ def test_outputs_that_share_memory_share_it_for_the_caller(broken, monkeypatch):
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_inputs_that_come_to_share_memory_run_uncaptured(broken, monkeypatch):
+    """A graph recorded with inputs apart replays private copies of them; a later call whose inputs view one tensor
+    (``f(w, w[:])``) would part them so, and runs uncaptured, with eager's result. Control: replayed anyway, the
+    function's write through one input is not read through the other."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        apart = capture_mod._apart
+        monkeypatch.setattr(capture_mod, "_apart", lambda args: apart(args) | {
+            i for i, a in enumerate(args) if isinstance(a, torch.Tensor)} if len(args) == 2 else apart(args))
+    _backend_on_a_graph_platform(monkeypatch)
+
+    def bump_and_read(a, b):
+        a.add_(1)
+        return b * 2
+    f = torch.compile(bump_and_read, backend="spec_graph")
+    with torch.no_grad():
+        for _ in range(3):
+            f(torch.zeros(4), torch.zeros(4))
+        w = torch.zeros(4)
+        out = f(w, w[:])
+    assert (out.tolist() == [2.0] * 4 and w.tolist() == [1.0] * 4) != broken, (out.tolist(), w.tolist())
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_input_reached_by_storage_offset_is_never_a_private_copy(broken, monkeypatch):
+    """``as_strided`` places its view by the storage offset, so on a sliced input it reaches elements before the
+    slice, which a private copy of the slice does not hold: such an input is replayed as itself, or uncaptured
+    once it moves, with eager's values. Control: copied like any input, the later calls read the copy's elements."""
+    import spec_graph.backend as backend_mod
+
+    if broken:
+        monkeypatch.setattr(backend_mod, "absolute_inputs", lambda gm: frozenset())
+    plat = _backend_on_a_graph_platform(monkeypatch)
+
+    def head(x):
+        return x.as_strided((2,), (1,), 2) * 1
+    f = torch.compile(head, backend="spec_graph")
+    right = []
+    for i in range(4):
+        base = torch.arange(12.0) + 100 * i
+        with torch.no_grad():
+            right.append(f(base[4:]).tolist() == head(base[4:]).tolist() == [100.0 * i + 2, 100.0 * i + 3])
+    assert all(right) != broken, right
+    assert "record" in plat.events
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_calls_under_inference_mode_replay(broken, monkeypatch):
+    """Fresh inputs at every call under ``torch.inference_mode()``: every call gives eager's result. Control:
+    private copies made as inference tensors carry no version counter, and the recording call raises."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        def private_copy(a):
+            with torch.no_grad():
+                return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+        monkeypatch.setattr(capture_mod, "_private_copy", private_copy)
+    plat = _backend_on_a_graph_platform(monkeypatch)
+    f = torch.compile(lambda x: x * 2, backend="spec_graph")
+    got = []
+    with torch.inference_mode():
+        for i in range(5):
+            try:
+                got.append(f(torch.full((3,), float(i))).tolist())
+            except RuntimeError as e:
+                got.append(str(e))
+    assert (got == [[2.0 * i] * 3 for i in range(5)]) != broken, got
+    assert broken or plat.events.count("replay") >= 3
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_outputs_keep_eager_layouts_and_identity(broken, monkeypatch):
+    """A strided view of an intermediate keeps its strides, an expanded one stays unwritable, and a view of an
+    input of the input's own layout is a new tensor, not the caller's. Control: outputs copied dense, and views
+    of one layout returned as the input itself."""
+    import spec_graph.capture as capture_mod
+
+    if broken:
+        monkeypatch.setattr(capture_mod, "_copied_together", lambda group: {id(o): o.clone() for o in group})
+        view = capture_mod._input_view
+
+        def same_layout_is_the_input(out, static, args):
+            for s, a in zip(static, args):
+                if isinstance(s, torch.Tensor) and (out.size(), out.stride(), out.data_ptr()) == (
+                        s.size(), s.stride(), s.data_ptr()):
+                    return a
+            return view(out, static, args)
+        monkeypatch.setattr(capture_mod, "_input_view", same_layout_is_the_input)
+    _backend_on_a_graph_platform(monkeypatch)
+
+    def layouts(x):
+        return (x * 2)[::2], x.sum().expand(3), x[:]
+    f = torch.compile(layouts, backend="spec_graph")
+    right = []
+    for i in range(4):
+        x = torch.ones(6, 3) * i
+        with torch.no_grad():
+            steps, wide, same = f(x)
+        want = layouts(x)
+        try:
+            wide.add_(1)
+            unwritable = False
+        except RuntimeError:
+            unwritable = True
+        right.append(steps.stride() == want[0].stride() and torch.equal(steps, want[0]) and unwritable
+                     and same is not x and same.data_ptr() == x.data_ptr())
+    assert all(right) != broken, right
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_inputs_are_written_back_only_where_the_function_writes_them(broken, monkeypatch):
     """An input the function only reads is never written (one made under inference_mode may not be, outside
     it); one it updates in place gets the update at every call. Control: with the writes unseen, the updates

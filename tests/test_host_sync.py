@@ -258,6 +258,23 @@ def test_check_names_copies_and_numpy():
     assert located(report.findings) == expected(more_copies)
 
 
+def view_as_itself(x):
+    return (x * 2).view_as(x) + x.view_as(x)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_view_as_in_user_code_is_not_a_numpy_read(broken, monkeypatch):
+    """Dynamo records ``t.numpy()`` as ``t.view_as(t)``; the user's own ``x.view_as(x)`` is no host read, and
+    ``numpy()`` still is. Control: every ``t.view_as(t)`` taken for numpy refuses the plain function."""
+    import spec_graph.passes.host_sync as host_sync
+
+    if broken:
+        monkeypatch.setattr(host_sync, "_written_as_view_as", lambda node: False)
+    report = spec_graph.check(view_as_itself, torch.ones(3))
+    assert (report.findings == []) != broken, report.findings
+    assert located(spec_graph.check(more_copies, torch.ones(3)).findings) == expected(more_copies)
+
+
 def test_compile_options_and_decorator(eager_compile_stage):
     @spec_graph.compile(options={"capture": False, **CPU})
     def f(x):

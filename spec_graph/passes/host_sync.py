@@ -299,6 +299,13 @@ def _copy_to_cpu(node: torch.fx.Node, name: str) -> bool:
     return False
 
 
+def _written_as_view_as(node: torch.fx.Node) -> bool:
+    """Whether the source line the node came from calls view_as and not numpy (the user's own ``t.view_as(t)``)."""
+    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    code = next((ln for ln in reversed(lines) if ln.strip() and not ln.lstrip().startswith(("File ", "^", "~"))), "")
+    return "view_as" in code and "numpy" not in code
+
+
 def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
     """(op, detail) when ``node`` is a host read, else None."""
     name = _target_name(node)
@@ -307,7 +314,7 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
     if name == "tolist":
         return "tolist", _DETAIL["tolist"]
     if name == "numpy" or (name == "view_as" and node.op == "call_method" and len(node.args) >= 2
-                           and node.args[0] is node.args[1]):
+                           and node.args[0] is node.args[1] and not _written_as_view_as(node)):
         # Dynamo records ``t.numpy()`` as ``t.view_as(t)`` (the view then stands for the ndarray).
         return "numpy", _DETAIL["numpy"]
     if name in ("nonzero", "argwhere"):
