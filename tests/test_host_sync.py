@@ -258,6 +258,55 @@ def test_check_names_copies_and_numpy():
     assert located(report.findings) == expected(more_copies)
 
 
+def tolist_first(x):
+    return x.tolist()  # SYNC: tolist
+
+
+def log_inline(x):
+    y = x * 2
+    logging.getLogger("spec_graph.tests").debug("y %s", y)  # SYNC: logging
+    return y
+
+
+def histc_unbounded(x):
+    bounded = torch.histc(x, bins=4, min=0.0, max=1.0)
+    return bounded + torch.histc(x, bins=4)  # SYNC: histc
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("fn", [tolist_first, log_inline, histc_unbounded])
+def test_breaks_dynamo_leaves_out_of_explain_are_found_at_the_users_line(fn, broken, monkeypatch):
+    """A sync at a function's first op (Dynamo skips the frame: explain has no graph and no reason), a logging
+    call written inline (its break lies inside the logging module), and histc with no range (which reads the
+    input's min and max on the host) are each found at the user's line. Control: without Dynamo's break log,
+    with Python's library taken for user code, and with histc's range unread, each is missed or misplaced."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_logged_breaks", lambda messages: [])
+        monkeypatch.setattr(host_sync, "_STDLIB_DIR", "/nonexistent/")
+        monkeypatch.setattr(host_sync, "_histc_range", lambda node: None)
+    report = spec_graph.check(fn, torch.rand(8))
+    got = {(f.op, f.line) for f in report.findings if os.path.abspath(f.file) == HERE}
+    assert (got == expected(fn) and len(report.findings) == len(got)) != broken, report.findings
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_device_synchronize_in_the_graph_is_found(broken, monkeypatch):
+    """``torch.cuda.synchronize()`` enters Dynamo's graph as an op (it would stall the stream and break a capture).
+    Control: with the host-wait ops unknown, the graph passes."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_HOST_WAIT_OPS", set())
+    try:
+        synchronize = torch.ops.streams.synchronize_device
+    except (AttributeError, RuntimeError):
+        pytest.skip("this torch records no synchronize op in graphs")
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(synchronize, ("cuda", 0))
+    graph.output(graph.call_function(torch.mul, (x, 2)))
+    found = find_host_reads(graph)
+    assert ([f.op for f in found] == ["synchronize"]) != broken, found
+
+
 def view_as_itself(x):
     return (x * 2).view_as(x) + x.view_as(x)
 

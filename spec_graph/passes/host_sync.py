@@ -26,6 +26,7 @@ import linecache
 import logging
 import os
 import re
+import sysconfig
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -53,6 +54,9 @@ FIX_HINT = (
 )
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# Python's own library (logging, say) is no user's line either; installed packages under it are
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+_PACKAGE_DIRS = tuple(os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib"))
 _RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_(?P<line>\d+)$")
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>[^\n]*)')
 
@@ -140,7 +144,10 @@ class GraphSplitWarning(SpecGraphWarning):
 # Source locations
 # --------------------------------------------------------------------------------------------------------------
 def _is_internal(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_TORCH_DIR) if filename and not filename.startswith("<") else True
+    if not filename or filename.startswith("<"):
+        return True
+    path = os.path.abspath(filename)
+    return path.startswith(_TORCH_DIR) or (path.startswith(_STDLIB_DIR) and not path.startswith(_PACKAGE_DIRS))
 
 
 def _parse_stack_trace(text: str) -> list[tuple[str, int, str, str]]:
@@ -212,16 +219,20 @@ _DETAIL = {
     "host read": "the result is a Python value computed from tensor data",
     "print": "print() runs on the host; print after the call, or add print to "
              "torch._dynamo.config.reorderable_logging_functions (it then prints once the graph has run)",
+    "synchronize": "the host waits for the device (a synchronize, which a graph capture also refuses)",
+    "histc": "histc without min and max reads the input's minimum and maximum on the host; pass min < max",
     "logging": "a logging call runs on the host; log after the call, or skip it while compiling (under "
                "`if not torch.compiler.is_compiling():`)",
 }
 # A call to print or to a logger's method, at the start of the line that broke
-_LOG_CALL_RE = re.compile(r"^\s*(?:(?P<print>print)|(?:[\w.]*\.)?_*(?:log|logger|logging)\w*\."
+_LOG_CALL_RE = re.compile(r"^\s*(?:(?P<print>print)|(?:[\w.]*\.)?(?:getLogger\([^)]*\)|_*(?:log|logger|logging)\w*)\."
                           r"(?:debug|info|warning|warn|error|exception|critical|log))\s*\(", re.IGNORECASE)
 _SCALAR_READS = {"item", "_local_scalar_dense"}
 _DYNAMIC_SHAPE_OPS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique",
                       "_unique2", "unique_dim", "repeat_interleave", "bincount", "histc"}
 _HOST_BOOL_OPS = {"equal", "is_nonzero", "allclose"}
+# the host waits for the device (torch.cuda.synchronize() and the like, as Dynamo records them)
+_HOST_WAIT_OPS = {"synchronize_device", "synchronize_stream", "synchronize_event"}
 _TO_CPU_NAMES = {"cpu", "_to_cpu"}
 _TO_NAMES = {"to", "_to_copy", "to_copy", "_to_copy_functional"}
 
@@ -303,7 +314,16 @@ def _written_as_view_as(node: torch.fx.Node) -> bool:
     """Whether the source line the node came from calls view_as and not numpy (the user's own ``t.view_as(t)``)."""
     lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
     code = next((ln for ln in reversed(lines) if ln.strip() and not ln.lstrip().startswith(("File ", "^", "~"))), "")
+    code = code.split("#", 1)[0]  # a comment may say anything
     return "view_as" in code and "numpy" not in code
+
+
+def _histc_range(node: torch.fx.Node):
+    """(min, max) of a histc node where they are constants (defaults 0, 0), else None."""
+    args = list(node.args[1:]) + [None] * 3
+    lo = node.kwargs.get("min", args[1] if args[1] is not None else 0)
+    hi = node.kwargs.get("max", args[2] if args[2] is not None else 0)
+    return (lo, hi) if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else None
 
 
 def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
@@ -321,6 +341,10 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
         return "nonzero", _DETAIL["nonzero"]
     if name in _HOST_BOOL_OPS:
         return name, _DETAIL["host read"]
+    if name in _HOST_WAIT_OPS:
+        return "synchronize", _DETAIL["synchronize"]
+    if name == "histc" and _histc_range(node) is not None and _histc_range(node)[0] == _histc_range(node)[1]:
+        return "histc", _DETAIL["histc"]
     if _copy_to_cpu(node, name):
         if name in _TO_NAMES and node.op != "call_method":
             return f"{name}(device=cpu)", _DETAIL["cpu"]
@@ -489,6 +513,60 @@ def _defines(file: str, name: str, line: int) -> bool:
         and n.lineno <= line <= (n.end_lineno or n.lineno) for n in ast.walk(tree))
 
 
+_BREAK_LOG = "torch._dynamo.symbolic_convert.__graph_breaks"
+
+
+class _BreakLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        try:
+            self.messages.append(record.getMessage())
+        except Exception:  # noqa: BLE001 - a record that does not format is no break we can place
+            pass
+
+
+@contextlib.contextmanager
+def _graph_break_log():
+    """Dynamo's graph-break log while explain runs, kept here and not printed: it places the breaks that explain
+    leaves out (a break at a function's first op, where Dynamo skips the whole frame and records no graph)."""
+    lg = logging.getLogger(_BREAK_LOG)
+    handler, level, propagate = _BreakLog(), lg.level, lg.propagate
+    lg.addHandler(handler)
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    try:
+        yield handler.messages
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+        lg.propagate = propagate
+
+
+def _logged_breaks(messages: Iterable[str]) -> list[Finding]:
+    """Findings from Dynamo's graph-break log: the reason, at the innermost user frame of its traceback."""
+    out = []
+    for msg in messages:
+        head, _, trace = msg.partition("User code traceback:")
+        frames = _parse_stack_trace(trace)
+        fr = _user_frame(frames) if frames else None
+        if fr is None:
+            m = re.search(r"in user code at (?P<file>.+):(?P<line>\d+)", head)
+            if m is None:
+                continue
+            fr = (m.group("file"), int(m.group("line")), "", linecache.getline(m.group("file"),
+                                                                               int(m.group("line"))).strip())
+        if _is_internal(fr[0]):
+            continue
+        reason = head.partition("Graph Break Reason:")[2].strip()
+        reason = re.sub(r"^Encountered graph break when attempting to trace [^\n]*\n+", "", reason)
+        op, detail = _classify_break(reason, fr[3] or linecache.getline(fr[0], fr[1]).strip())
+        out.append(Finding(op, fr[0], fr[1], detail))
+    return out
+
+
 @contextlib.contextmanager
 def _quiet_dynamo():
     """Silence Dynamo's own graph-break warnings while explain runs (the findings carry them)."""
@@ -526,8 +604,8 @@ def _explain_once(fn: Callable, args: tuple, kwargs: dict, capture: bool):
 
     before = dict(counters.get("resumes", {}))
     try:
-        with _quiet_dynamo(), dynamo.config.patch(capture_scalar_outputs=capture,
-                                                  capture_dynamic_output_shape_ops=capture):
+        with _quiet_dynamo(), _graph_break_log() as logged, dynamo.config.patch(
+                capture_scalar_outputs=capture, capture_dynamic_output_shape_ops=capture):
             ex = dynamo.explain(fn)(*args, **kwargs)
     finally:
         dynamo.reset()  # explain resets on success only; never leave compiled state behind
@@ -553,7 +631,7 @@ def _explain_once(fn: Callable, args: tuple, kwargs: dict, capture: bool):
             files.setdefault(fs.name, fs.filename)
             new_resumes.append(fs.name)
     covered.update((f.file, f.line) for f in findings)
-    for f in _resume_breaks(dict.fromkeys(new_resumes), files, default_file):
+    for f in _resume_breaks(dict.fromkeys(new_resumes), files, default_file) + _logged_breaks(logged):
         if (f.file, f.line) not in covered:
             findings.append(f)
             covered.add((f.file, f.line))
