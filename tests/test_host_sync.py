@@ -289,6 +289,22 @@ def test_breaks_dynamo_leaves_out_of_explain_are_found_at_the_users_line(fn, bro
     assert (got == expected(fn) and len(report.findings) == len(got)) != broken, report.findings
 
 
+def where_indices(x):
+    rows = torch.where(x > 0.5)  # SYNC: where
+    return rows[0] * 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_one_argument_where_is_a_data_dependent_shape(broken, monkeypatch):
+    """``torch.where(cond)`` returns a tuple of index tensors whose length the data sets: named where, as a shape
+    the host must read. Control: a tuple taken for a Python value, it reads as one."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_holds_tensors", lambda out: isinstance(out, torch.Tensor))
+    report = spec_graph.check(where_indices, torch.rand(8))
+    assert located(report.findings) == expected(where_indices)
+    assert ("output shape depends on tensor values" in report.findings[0].detail) != broken, report.findings
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_device_synchronize_in_the_graph_is_found(broken, monkeypatch):
     """``torch.cuda.synchronize()`` enters Dynamo's graph as an op (it would stall the stream and break a capture).

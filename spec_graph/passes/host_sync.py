@@ -229,7 +229,7 @@ _LOG_CALL_RE = re.compile(r"^\s*(?:(?P<print>print)|(?:[\w.]*\.)?(?:getLogger\([
                           r"(?:debug|info|warning|warn|error|exception|critical|log))\s*\(", re.IGNORECASE)
 _SCALAR_READS = {"item", "_local_scalar_dense"}
 _DYNAMIC_SHAPE_OPS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique",
-                      "_unique2", "unique_dim", "repeat_interleave", "bincount", "histc"}
+                      "_unique2", "unique_dim", "repeat_interleave", "bincount", "histc", "where"}
 _HOST_BOOL_OPS = {"equal", "is_nonzero", "allclose"}
 # the host waits for the device (torch.cuda.synchronize() and the like, as Dynamo records them)
 _HOST_WAIT_OPS = {"synchronize_device", "synchronize_stream", "synchronize_event"}
@@ -356,13 +356,19 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
             new -= _unbacked(_value(a))
         if new:
             out = _value(node)
-            if isinstance(out, torch.Tensor):
+            if _holds_tensors(out):
                 op = "mask indexing" if name in ("getitem", "index", "__getitem__") else name
                 if name in _DYNAMIC_SHAPE_OPS or op == "mask indexing":
                     return op, _DETAIL["nonzero"]
                 return op, _DETAIL["data-dependent shape"]
             return name, _DETAIL["host read"]
     return None
+
+
+def _holds_tensors(out) -> bool:
+    """A tensor, or a tuple of them (``torch.where(cond)``'s indices)."""
+    return isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list))
+                                             and any(isinstance(o, torch.Tensor) for o in out))
 
 
 def _refine(op: str, segment: str) -> str:
