@@ -341,6 +341,43 @@ def test_prepare_next_formulations_fuse(form, B, K, keep):
     assert_same(run_args, want_args)
 
 
+def _step_then_snapshot(*args):
+    out = greedy_accept_prepare_ref(*args)
+    snap = args[-1].clone()  # the buffer as this step left it
+    args[-1][:, -1] = 7  # then written again
+    return (snap, *out)
+
+
+def _two_steps_with_a_snapshot(d, t, active, *state):
+    first = greedy_accept_prepare_ref(d, t, active, *state)
+    snap = state[-1].clone()
+    second = greedy_accept_prepare_ref(d, t, active & ~first[6], *first[3:6], *state[3:])
+    return (snap, *first, *second)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("fn", [_step_then_snapshot, _two_steps_with_a_snapshot])
+def test_a_copy_of_the_appended_buffer_keeps_its_contents(fn, broken, monkeypatch):
+    """A copy of ``out_buf`` taken after a step and before a later write keeps the step's contents. A clone is a
+    no-op to the functional graph, so the copy is the step's buffer itself: a fused op writing it in place would
+    let the later write (or the copy back into the caller's buffer) reach the copy. Such a step is left unfused;
+    one whose buffer is not returned still fuses. Control: fused anyway, the copy shows the later write."""
+    import spec_graph.passes.fusion as fusion
+
+    if broken:
+        monkeypatch.setattr(fusion, "_returned_and_used", lambda node: False)
+    B, L = 2, 8  # both rows keep room and budget for a second step
+    args = (torch.tensor([[5, 6], [5, 7]]), torch.tensor([[5, 6, 9], [5, 1, 2]]), torch.ones(B, dtype=torch.bool),
+            torch.zeros(B, 2, dtype=torch.long), torch.full((B,), 4), torch.zeros(B, dtype=torch.long),
+            torch.full((B,), L), torch.tensor([-1]), torch.zeros(B, L, dtype=torch.long))
+    out, run_args, pm = compile_and_run(fn, args)
+    want, want_args = expected(fn, args)
+    right = all(torch.equal(g_, w) for g_, w in zip(out, want)) and torch.equal(run_args[-1], want_args[-1])
+    assert right != broken, (out[0], want[0])
+    if fn is _two_steps_with_a_snapshot and not broken:
+        assert pm.last_counts["fuse_greedy_accept"] == 1, pm.last_counts  # the second step: nothing copies its buffer
+
+
 def test_inputs_exercise_every_branch():
     """The test data hits accept-all, early rejection, inactive rows, stop tokens, budget and buffer end."""
     args = greedy_inputs(5, 4)

@@ -25,7 +25,10 @@ How a match becomes the op:
   input, such as the new lengths, leaves that input unbound: no fusion). K
   must be static (a symbolic K is not matched). A match is
   refused when one of its inner nodes is used outside it (nothing would be
-  saved) or when an input depends on the match (the op would feed itself).
+  saved), when an input depends on the match (the op would feed itself), or
+  when the appended buffer is returned beside another use (a clone is a no-op
+  to the functional graph, so a copy of the buffer taken before a later write
+  is the buffer itself; written in place, the copy would change).
 
 Uses only ``torch._inductor.pattern_matcher`` pieces present in torch 2.11
 and 2.13 (PatternMatcherPass, fwd_only, fx_to_pattern, MultiOutputPattern,
@@ -447,6 +450,12 @@ class FusionPass:
         if any(sm.kwargs.get(k) is not n for k, n in inputs.items()):
             return False
 
+        if _returned_and_used(anchor):
+            # the appended buffer returned and also read on (a copy of it taken before a later write: a clone
+            # is a no-op to a functional graph): once the op writes the buffer in place, that later write, or
+            # the copy back into the caller's buffer, would change the returned copy
+            log.debug("%s: %s refused: the appended buffer is returned and used again", self.name, fname)
+            return False
         matched = set(sm.nodes)
         outs = sm.output_nodes()
         out_set = {n for n in outs if n is not None}
@@ -520,6 +529,10 @@ def _class_cache(cls, name: str) -> dict:
     if name not in cls.__dict__:
         setattr(cls, name, {})
     return cls.__dict__[name]
+
+
+def _returned_and_used(node: torch.fx.Node) -> bool:
+    return any(u.op == "output" for u in node.users) and any(u.op != "output" for u in node.users)
 
 
 def _erase_dead(graph: torch.fx.Graph, nodes) -> None:
