@@ -289,6 +289,23 @@ def test_breaks_dynamo_leaves_out_of_explain_are_found_at_the_users_line(fn, bro
     assert (got == expected(fn) and len(report.findings) == len(got)) != broken, report.findings
 
 
+def sample_with_generator(p, g):
+    y = p * 2
+    return torch.multinomial(y, 1, generator=g)  # SYNC: graph
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_generator_argument_is_named_with_its_fix(broken, monkeypatch):
+    """Dynamo cannot take a torch.Generator into a graph: the break is reported once, at the user's line, saying
+    so and what to do instead. Control: classified by Dynamo's reason alone, it reads as a failed proxy."""
+    if broken:
+        classify = host_sync._classify_break
+        monkeypatch.setattr(host_sync, "_classify_break", lambda reason, segment: classify(reason, ""))
+    report = spec_graph.check(sample_with_generator, torch.rand(2, 5), torch.Generator().manual_seed(0))
+    assert {(op.split()[0], line) for op, line in located(report.findings)} == expected(sample_with_generator)
+    assert ("torch.Generator" in report.findings[0].detail) != broken, report.findings
+
+
 def where_indices(x):
     rows = torch.where(x > 0.5)  # SYNC: where
     return rows[0] * 2

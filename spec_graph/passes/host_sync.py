@@ -474,6 +474,9 @@ def _classify_break(reason: str, segment: str) -> tuple[str, str]:
                     (".cpu(", "cpu")):
         if pat in seg:
             return op, _DETAIL[op]
+    if "generator" in seg and "proxy" in low:
+        return "graph break", ("Dynamo cannot trace a torch.Generator argument; seed the default generator "
+                               "(torch.manual_seed) or draw from counter-based random numbers instead")
     return "graph break", first or (f"Dynamo split the function at `{seg}`" if seg
                                     else "Dynamo split the function here")
 
@@ -556,7 +559,10 @@ def _logged_breaks(messages: Iterable[str]) -> list[Finding]:
     out = []
     for msg in messages:
         head, _, trace = msg.partition("User code traceback:")
+        # the frames up to this module's explain call are its callers', not the user's function's
         frames = _parse_stack_trace(trace)
+        ours = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == os.path.abspath(__file__)]
+        frames = frames[ours[-1] + 1:] if ours else frames
         fr = _user_frame(frames) if frames else None
         if fr is None:
             m = re.search(r"in user code at (?P<file>.+):(?P<line>\d+)", head)
