@@ -17,7 +17,7 @@ from . import platform as _platform
 from .capture import CapturedFunction
 from .config import check_device
 from .passes.graph_split import warn_if_split
-from .passes.host_sync import HostSyncError, find_host_reads
+from .passes.host_sync import HostSyncError, _target_name, find_host_reads
 from .passes.manager import PassManager, check_enabled
 
 BACKEND_NAME = "spec_graph"
@@ -121,10 +121,10 @@ _ABSOLUTE_OPS = ("as_strided", "as_strided_", "as_strided_scatter")
 def absolute_inputs(gm: torch.fx.GraphModule) -> frozenset:
     """The inputs (by position) that the graph reaches by absolute storage offsets: an ``as_strided`` of the input or
     of a tensor made from it may read memory outside the input's own elements, which a private copy lacks."""
-    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    places = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     found = set()
     for node in gm.graph.nodes:
-        if _op_name(node) in _ABSOLUTE_OPS and node.args:
+        if node.op in ("call_function", "call_method") and _target_name(node) in _ABSOLUTE_OPS and node.args:
             seen, todo = set(), [node.args[0]]
             while todo:
                 n = todo.pop()
@@ -132,19 +132,10 @@ def absolute_inputs(gm: torch.fx.GraphModule) -> frozenset:
                     continue
                 seen.add(n)
                 if n.op == "placeholder":
-                    found.add(places.index(n))
+                    found.add(places[n])
                 elif n.args:
                     todo.append(n.args[0])
     return frozenset(found)
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", str(node.target))
-        return name.split(".")[0]
-    return ""
 
 
 def opaque_ops():

@@ -54,6 +54,7 @@ FIX_HINT = (
 )
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_THIS_FILE = os.path.abspath(__file__)
 # Python's own library (logging, say) is no user's line either; installed packages under it are
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _PACKAGE_DIRS = tuple(os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib"))
@@ -343,7 +344,7 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
         return name, _DETAIL["host read"]
     if name in _HOST_WAIT_OPS:
         return "synchronize", _DETAIL["synchronize"]
-    if name == "histc" and _histc_range(node) is not None and _histc_range(node)[0] == _histc_range(node)[1]:
+    if name == "histc" and (bounds := _histc_range(node)) is not None and bounds[0] == bounds[1]:
         return "histc", _DETAIL["histc"]
     if _copy_to_cpu(node, name):
         if name in _TO_NAMES and node.op != "call_method":
@@ -561,7 +562,7 @@ def _logged_breaks(messages: Iterable[str]) -> list[Finding]:
         head, _, trace = msg.partition("User code traceback:")
         # the frames up to this module's explain call are its callers', not the user's function's
         frames = _parse_stack_trace(trace)
-        ours = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == os.path.abspath(__file__)]
+        ours = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == _THIS_FILE]
         frames = frames[ours[-1] + 1:] if ours else frames
         fr = _user_frame(frames) if frames else None
         if fr is None:
