@@ -14,8 +14,11 @@ three workloads under these choosers, taking turns call by call:
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
 Per chooser: the median wall time of a generate call (the garbage collector off), replays and prefills per
-call, and, from one more call with the chooser's methods timed, its host microseconds per replay, apart for
-replays with one busy row and with more.
+call, the call's time in prefills (each ends in a host read, so the device is idle when the next starts), what
+the engine's step-time table prices its replays at (each replay's K and bucket at its longest row's length, the
+host's measured share included), and the rest per replay: the host's work per replay that the table leaves out
+(it should be about the same for every K). And, from one more call with the chooser's methods timed, its host
+microseconds per replay, apart for replays with one busy row and with more.
 """
 from __future__ import annotations
 
@@ -48,15 +51,17 @@ class Scripted:
         s = Scripted.script
         self._ks = iter(s) if isinstance(s, list) else None
         self._last = s if isinstance(s, int) else s[-1]
+        self._next = None
 
-    def pick(self, lens):
-        if self._ks is not None:
-            self._last = next(self._ks, self._last)
-        return self._last
+    def pick(self, lens):  # the same K until the replay it is for is launched (the engine may ask twice)
+        if self._next is None:
+            self._next = self._last if self._ks is None else next(self._ks, self._last)
+        return self._next
+
+    def ahead(self, k, n, lens):
+        self._last, self._next = k, None
 
     def admit(self, row): pass
-    def rows_changed(self): pass
-    def ahead(self, k, n, lens): pass
     def seen(self, counts, lens): pass
 
 
@@ -79,7 +84,7 @@ class Timed(ChoiceAhead):
         return wrap
 
     pick, ahead, seen = _timed("pick"), _timed("ahead"), _timed("seen")
-    admit, rows_changed = _timed("admit"), _timed("rows_changed")
+    admit = _timed("admit")
 
 
 def main():
@@ -92,6 +97,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--flush", action="store_true",
+                    help="also auto, replayed and the last fixed K with the stream queried after each launch")
     a = ap.parse_args()
     fixed = [int(x) for x in a.fixed.split(",") if x]
     B = a.batch_size
@@ -106,10 +113,30 @@ def main():
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
     names = ["auto", "auto no-fork", "replayed"] + [f"K={k}" for k in fixed]
+    if a.flush:
+        names += [f"{n} flush" for n in ("auto", "replayed", f"K={fixed[-1]}")]
     last_ks: dict = {}
+
+    split = {"prefill": 0.0, "table": 0.0}
+    real_prefill, real_run = dec._prefill, dec._run_steps
+
+    def timed_prefill(*args):
+        t = time.perf_counter()
+        try:
+            return real_prefill(*args)
+        finally:
+            split["prefill"] += time.perf_counter() - t
+
+    def priced_run(B, greedy, K=None, longest=None):
+        split["table"] += dec._times_for(greedy, B, longest)[K] * dec.config.steps_per_graph
+        return real_run(B, greedy, K, longest)
+
+    dec._prefill, dec._run_steps = timed_prefill, priced_run
 
     def call(name, w):
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
+        split.update(prefill=0.0, table=0.0)
+        sg_runtime.FLUSH_AFTER_LAUNCH, name = name.endswith(" flush"), name.removesuffix(" flush")
         if name.startswith("K=") or name == "replayed":
             Scripted.script = int(name[2:]) if name.startswith("K=") else last_ks[w]
             sg_runtime.ChoiceAhead = Scripted
@@ -122,15 +149,16 @@ def main():
             wall = time.perf_counter() - t
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
+            sg_runtime.FLUSH_AFTER_LAUNCH = False
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
-        return wall, out
+        return wall, out, dict(split)
 
     res = collections.defaultdict(list)
     tokens = {}
     for w in WORKLOADS:  # untimed: prefill graphs of each shape the calls admit
         for name in names:
-            _, out = call(name, w)
+            _, out, _ = call(name, w)
             tokens[(name, w)] = [r.token_ids for r in out]
     gc.collect()
     gc.disable()
@@ -138,21 +166,30 @@ def main():
         for _ in range(a.rounds):
             for w in WORKLOADS:
                 for name in names:
-                    wall, out = call(name, w)
-                    res[(name, w)].append((wall, out.stats))
+                    wall, out, parts = call(name, w)
+                    res[(name, w)].append((wall, out.stats, parts))
     finally:
         gc.enable()
     for w in WORKLOADS:
         print(f"\n{w}: {a.prompts} prompts, B={B}, {a.max_new_tokens} new tokens, median of {a.rounds} calls")
-        print("| chooser | ms per call | min | replays | prefills | tok/step | mean K | tokens as auto's |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| chooser | ms per call | min | replays | prefills | prefill ms | table ms | rest us/replay | "
+              "tok/step | mean K | tokens as auto's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in names:
             walls = [x[0] for x in res[(name, w)]]
             st = res[(name, w)][-1][1]
             same = tokens[(name, w)] == tokens[("auto", w)]
+            pre = statistics.median(x[2]["prefill"] for x in res[(name, w)])
+            table = statistics.median(x[2]["table"] for x in res[(name, w)])
+            N = dec.config.steps_per_graph
+            rest = statistics.median((x[0] - x[2]["prefill"] - x[2]["table"]) / (x[1].steps // N)
+                                     for x in res[(name, w)])
             print(f"| {name} | {1e3 * statistics.median(walls):.2f} | {1e3 * min(walls):.2f} | {st.steps} | "
-                  f"{st.prefills} | {st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | "
-                  f"{'yes' if same else 'no'} |")
+                  f"{st.prefills} | {1e3 * pre:.2f} | {1e3 * table:.2f} | {1e6 * rest:.1f} | "
+                  f"{st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | {'yes' if same else 'no'} |")
+        host = dec.host_times.get((True, B), 0.0)
+        print(f"- the table's host share: {1e6 * host:.1f} us per replay; its steps at length 192: " + ", ".join(
+            f"K={k} {1e3 * t:.3f} ms" for k, t in dec._times_for(True, B, 192).items()))
         Timed.spent.clear()
         Timed.replays.clear()
         sg_runtime.ChoiceAhead = Timed

@@ -235,12 +235,14 @@ class ChoiceAhead:
     With one busy row and one step per replay, the K after each of the replay's possible outcomes (0..K drafts
     accepted) is chosen while it runs, and the outcome read after it picks one: the K a choice after the read would
     make. Otherwise the next K is chosen from the counts up to the replay before (one replay late: a batch's counts
-    move less from one replay to the next than one row's). Where the rows change (an admission, a finished row),
-    the next K is chosen after the read, from every count so far.
+    move less from one replay to the next than one row's). Where a request is admitted, the next K is chosen from
+    every count so far, with the new rows, while their prefill runs (the engine calls ``pick`` there); where rows
+    finish, the K chosen during the replay serves the rows left for one replay. So no choice falls between a read
+    and the next launch, where the device would wait for it (at B=8 on an H100 such choices cost 1-2 ms a call).
 
     ``choose(chooser, lens) -> K`` prices a chooser's choice for the busy rows at committed lengths ``lens``
     ({row: length}). Per replay the engine calls ``pick(lens)`` for its K, ``ahead(K, N, lens)`` once it is launched,
-    and ``seen(counts, lens)`` with the read after it; ``admit(row)`` and ``rows_changed()`` where rows change.
+    and ``seen(counts, lens)`` with the read after it; ``admit(row)`` where a request takes a row.
     """
 
     MAX_FORK_ROWS = 1  # busy rows up to which every outcome is chosen for ahead (their count grows as (K + 1)^rows)
@@ -249,7 +251,9 @@ class ChoiceAhead:
         self.chooser, self._choose = chooser, choose
         self._unseen: list[int] | None = None  # counts read, not yet observed
         self._next: int | None = None
-        self._forks: list | None = None  # [(lens, chooser, K)] per outcome of the running replay
+        self._forks: list | None = None  # [(lens, chooser, K)] per outcome a = 0..K of the running replay
+        self._fork_from: tuple[int, int] = (0, 0)  # (row, length) the forks start from
+        self._spent = None  # the forks read, and the chooser they replace: freed while the next replay runs
 
     def _observe_unseen(self) -> None:
         if self._unseen is not None:
@@ -261,9 +265,6 @@ class ChoiceAhead:
         self.chooser.admit(row)
         self._next = None
 
-    def rows_changed(self) -> None:
-        self._next = None
-
     def pick(self, lens: dict[int, int]) -> int:
         if self._next is None:
             self._observe_unseen()
@@ -271,9 +272,11 @@ class ChoiceAhead:
         return self._next
 
     def ahead(self, k: int, n: int, lens: dict[int, int]) -> None:
+        self._spent = None
         self._observe_unseen()
         if n == 1 and len(lens) <= self.MAX_FORK_ROWS:
             (row, length), = lens.items()
+            self._fork_from = (row, length)
             forks = [({row: length + a + 1}, self.chooser.after_step(row, k, a)) for a in range(k + 1)]
             self._forks = [(ln, fork, self._choose(fork, ln)) for ln, fork in forks]
         else:  # every row commits at least n tokens
@@ -281,10 +284,12 @@ class ChoiceAhead:
 
     def seen(self, counts: list[int], lens: dict[int, int]) -> None:
         forks, self._forks = self._forks, None
-        if forks is not None:
-            match = next(((fork, k) for ln, fork, k in forks if ln == lens and fork.has_seen(counts)), None)
-            if match is not None:
-                self.chooser, self._next = match
+        if forks is not None:  # the outcome from the row's new length (the read is on the replays' path)
+            self._spent = (forks, self.chooser)
+            row, length = self._fork_from
+            a = lens.get(row, length) - length - 1
+            if 0 <= a < len(forks) and forks[a][0] == lens and forks[a][1].has_seen(counts):
+                _, self.chooser, self._next = forks[a]
                 return
             self._next = None  # not an outcome foreseen: chosen after the read
         self._unseen = counts

@@ -41,6 +41,7 @@ PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_LEN = 512
 # A prefill's per-row integers after its tokens: length, slot, max_new, seed, top_k (_prefill_rows)
 PREFILL_COLUMNS = 5
+FLUSH_AFTER_LAUNCH = False
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -199,9 +200,10 @@ class DecoderBase(StepTimes):
         return upto
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                 params: SamplingParams) -> list[bool]:
+                 params: SamplingParams, meanwhile=None) -> list[bool]:
         """Admit `prompts` into `slots`: one forward of both models, then each row's first token and state, all on
-        the device (in one graph where the prefill replays one). Returns whether each row goes on (one host read)."""
+        the device (in one graph where the prefill replays one). Returns whether each row goes on (one host read);
+        `meanwhile()`, if given, runs on the host between the prefill's launch and that read."""
         n = len(slots)
         T = max(len(p) for p in prompts)
         # Padded to a power of two where a prefill can replay a graph on this platform (one graph per shape: few
@@ -222,7 +224,10 @@ class DecoderBase(StepTimes):
         rows, floats = rows.to(self.device), floats.to(self.device)
         upto = self._admitted(slots, [len(p) for p in prompts], max_new, T)
         self._zero_slots(rows[:, T + 1], None if upto >= self.cache_len else upto)
-        return self._prefill_run(rows, floats, params.greedy).tolist()
+        active = self._prefill_run(rows, floats, params.greedy)
+        if meanwhile is not None:
+            meanwhile()
+        return active.tolist()
 
     @torch.inference_mode()  # captured or not: the same (inference) tensors reach a compiled forward's guards
     def _prefill_rows(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -383,7 +388,10 @@ class DecoderBase(StepTimes):
         K = self.K if K is None else K
         key = (greedy, B, K)
         if self.graphs is not None and key in self.graphs:
-            return self.graphs.replay(key)
+            packed = self.graphs.replay(key)
+            if FLUSH_AFTER_LAUNCH:
+                self.platform.flush()
+            return packed
         if self.graphs is not None and not self._fallback_warned:
             self._fallback_warned = True
             why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
@@ -459,7 +467,8 @@ class DecoderBase(StepTimes):
 
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
             left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
-            return c.choose(self._times_for(params.greedy, B, sum(lens.values()) / len(lens)), left,
+            bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
+            return c.choose(self._times_for(params.greedy, bucket, sum(lens.values()) / len(lens)), left,
                             len(pending) * max_new_tokens)
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
@@ -509,8 +518,12 @@ class DecoderBase(StepTimes):
                     live[s] = len(encoded[r]) + 1
                     if chooser:
                         chooser.admit(s)
+                # the next K is chosen while the prefill runs, for every row busy after it (one that ends at its
+                # prefill leaves that choice a replay stale, as a row that ends in a replay does)
+                pick = (lambda: chooser.pick({s: live[s] for s in range(S) if owner[s] is not None})) \
+                    if chooser else None
                 act = self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
-                                    [req_seeds[r] for _, r in admit], params)
+                                    [req_seeds[r] for _, r in admit], params, pick)
                 prefills += 1
                 finish([s for s, a in zip(slots, act) if not a])
             busy = [s for s in range(S) if owner[s] is not None]
@@ -541,9 +554,7 @@ class DecoderBase(StepTimes):
             else:
                 active = self.state["active"][:B].tolist()  # the one host read per replay
             done = [s for s in busy if not active[s]]
-            if done and chooser:
-                chooser.rows_changed()
-            finish(done)
+            finish(done)  # the K chosen during the replay serves the rows left (ChoiceAhead: one replay stale)
             if progress is not None:
                 report()
 

@@ -220,8 +220,8 @@ def _host_counts(out, kmax):
     return reached + accepted
 
 
-def _check_auto(out, pair, n_new):
-    assert [r.token_ids for r in out] == [hf_greedy(pair[0], p, n_new) for p in PROMPTS]
+def _check_auto(out, pair, n_new, prompts=PROMPTS):
+    assert [r.token_ids for r in out] == [hf_greedy(pair[0], p, n_new) for p in prompts]
     for r in out:
         assert len(r.k_per_step) == len(r.accepted_counts)
         assert all(0 <= a <= k for a, k in zip(r.accepted_counts, r.k_per_step))
@@ -248,11 +248,15 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
         return
     _check_auto(out, llama_pair, 32)
     steps = [(a, k) for r in out for a, k in zip(r.accepted_counts, r.k_per_step)]
-    # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
-    assert {a for a, k in steps if a < k} >= {0, 1, 2} and (2, 2) in steps, steps
     assert dec.k_counts.sum(0).tolist() == _host_counts(out, dec.K)
     # per row: request s ran in row s (four requests, four rows)
     assert [dec.k_counts[s].tolist() for s in range(4)] == [_host_counts([r], dec.K) for r in out]
+    more = dec.generate(PROMPTS + [[11, 12, 13]], 32)  # a fifth request, in the first row freed
+    _check_auto(more, llama_pair, 32, PROMPTS + [[11, 12, 13]])
+    assert dec.k_counts.sum(0).tolist() == _host_counts(more, dec.K)
+    reached = steps + [(a, k) for r in more for a, k in zip(r.accepted_counts, r.k_per_step)]
+    # a rejection at draft positions 1, 2 and 3, and every draft of a K=2 step accepted (the bonus token)
+    assert {a for a, k in reached if a < k} >= {0, 1, 2} and (2, 2) in reached, reached
     # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
     assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
 
@@ -339,6 +343,61 @@ def test_engine_chooses_while_the_replay_runs(llama_pair, monkeypatch, order):
     assert out[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 24)
     assert events.count("replay") == len(out.stats.k_per_step) > 3
     assert _chooses_while_replays_run(events) == (order == "engine"), events
+
+
+class _ChoosesWhenRowsFinish(ChoiceAhead):
+    """Broken: where rows finished, the K chosen during the replay is dropped and chosen again at the pick."""
+
+    def pick(self, lens):
+        if set(lens) != getattr(self, "_rows", set(lens)):
+            self._next = None
+        self._rows = set(lens)
+        return super().pick(lens)
+
+
+@pytest.mark.parametrize("broken", [None, "finish", "admission"])
+def test_no_choice_between_a_read_and_the_next_launch(llama_pair, monkeypatch, broken):
+    """Rows that finish at different replays, and requests admitted into the freed rows: every choice falls while
+    a replay or a prefill runs (between its launch and its read), none between a read and the next launch, where
+    the device would wait for it. Broken: a choice again where rows finished; the admission's choice after the
+    prefill's read."""
+    events = []
+
+    class Recording(KChooser):
+        def choose(self, times, remaining=None, queued=0):
+            events.append("choose")
+            return super().choose(times, remaining, queued)
+
+    monkeypatch.setattr(runtime_mod, "KChooser", Recording)
+    if broken == "finish":
+        monkeypatch.setattr(runtime_mod, "ChoiceAhead", _ChoosesWhenRowsFinish)
+    dec = _engine(llama_pair, max_batch_size=2, admission_wait=0)
+    run, read, prefill_run, prefill = dec._run_steps, dec._read_after_replay, dec._prefill_run, dec._prefill
+
+    def prefill_then_read(*a):
+        *args, meanwhile = a
+        if broken == "admission":
+            act = prefill(*args, None)
+            events.append("read")
+            meanwhile()
+            return act
+        act = prefill(*a)
+        events.append("read")
+        return act
+
+    monkeypatch.setattr(dec, "_run_steps", lambda *a: (events.append("launch"), run(*a))[1])
+    monkeypatch.setattr(dec, "_prefill_run", lambda *a: (events.append("launch"), prefill_run(*a))[1])
+    monkeypatch.setattr(dec, "_read_after_replay", lambda B, *a: (events.append("read"), read(B, *a))[1])
+    monkeypatch.setattr(dec, "_prefill", prefill_then_read)
+    prompts = PROMPTS + [[11, 12, 13]]
+    out = dec.generate(prompts, 12)
+    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 12) for p in prompts]
+    ks = [len(r.k_per_step) for r in out]
+    assert len(set(ks)) > 1 and out.stats.prefills >= 3, (ks, out.stats)  # rows finished apart; admissions
+    text = " ".join(events)
+    assert text.count("choose") >= out.stats.prefills
+    between = [x.split("launch")[0] for x in text.split("read")[1:]]  # from each read to the next launch
+    assert all("choose" not in x for x in between) == (broken is None), events
 
 
 class _RowExpectedWithoutPrior(KChooser):
@@ -441,8 +500,8 @@ class _LateWithoutProgress(ChoiceAhead):
 @pytest.mark.parametrize("cls", [ChoiceAhead, _LateWithoutProgress])
 def test_choice_ahead_of_a_batch(cls):
     """Two busy rows: while replay n runs, the counts of replay n - 1 are observed and the next K is chosen for
-    rows that will have committed at least the replay's N steps' tokens; used at the next pick, unless the rows
-    change; the counts read after replay n are observed during replay n + 1, or before a choice after the read."""
+    rows that will have committed at least the replay's N steps' tokens; used at the next pick, unless a request
+    is admitted; the counts read after replay n are observed during replay n + 1, or before the admission."""
     calls = []
 
     def choose(chooser, lens):
@@ -457,9 +516,10 @@ def test_choice_ahead_of_a_batch(cls):
     assert ahead.pick({0: 15, 1: 13}) == 2
     ahead.ahead(2, 3, {0: 15, 1: 13})
     ok = calls == [({0: 10, 1: 12}, 0.0), ({0: 13, 1: 15}, 0.0), ({0: 18, 1: 16}, 1.0)]
-    ahead.seen(one_step, {0: 20, 1: 16})
-    ahead.rows_changed()
-    assert ahead.pick({0: 20, 1: 16}) == 4  # chosen again after the read, the last counts seen
+    ahead.seen([2, 2, 2, 2, 0, 0, 0, 0], {0: 20, 1: 16})  # row 0 accepted both drafts again
+    ahead.admit(1)  # a new request in row 1
+    assert ahead.pick({0: 20, 1: 2}) == 4  # chosen again, with the counts just read (1 decayed, plus 1)
+    assert calls[-1][0] == {0: 20, 1: 2} and calls[-1][1] == pytest.approx(1 + adaptive_mod.DECAY)
     assert ok == (cls is ChoiceAhead), calls
 
 
