@@ -85,9 +85,9 @@ class SpecGraphConfig:
     admission_wait: int | None = None
 
     def __post_init__(self):
-        k = self.num_speculative_tokens
-        if isinstance(k, str) and k.strip().lower() == AUTO:
-            self.num_speculative_tokens = AUTO
+        k = self.num_speculative_tokens = spelled(self.num_speculative_tokens)
+        if k == AUTO:
+            pass
         elif not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or \"auto\", got {k!r}"
@@ -118,6 +118,7 @@ class SpecGraphConfig:
             check_enabled(self.passes)
         self.steps_per_graph = checked_steps_per_graph(self.steps_per_graph)
         self.slot_steps_waited  # noqa: B018 - checks admission_wait
+        self.verification = spelled(self.verification)
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
@@ -178,6 +179,15 @@ def checked_steps_per_graph(n, name: str = "steps_per_graph") -> int:
     if not is_int(n) or n < 1:
         raise ValueError(f"{name} must be a positive integer, got {n!r}")
     return int(n)
+
+
+SPELLED_FIELDS = ("num_speculative_tokens", "verification")  # string options stored as spelled() gives them
+
+
+def spelled(v):
+    """A string option as the config stores it (case and surrounding blanks aside: "Auto " is "auto"); other
+    values as they are."""
+    return v.strip().lower() if isinstance(v, str) else v
 
 
 def is_int(v) -> bool:

@@ -24,8 +24,8 @@ import torch
 from .adaptive import ChoiceAhead, KChooser
 from .admission import admits_now
 from .capture import GraphSet
-from .config import (CEILING_FIELDS, CEILING_MIN, FIXED_FIELDS, WINDOW_SOURCE, SpecGraphConfig, check_window,
-                     checked_buckets, checked_steps_per_graph, is_int)
+from .config import (CEILING_FIELDS, CEILING_MIN, FIXED_FIELDS, SPELLED_FIELDS, WINDOW_SOURCE, SpecGraphConfig,
+                     check_window, checked_buckets, checked_steps_per_graph, is_int, spelled)
 from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
 from .prompts import MAX_STOP_IDS, check_max_new_tokens, prompt_ids, stop_ids
 from .results import GenerationOutput, GenerationResult, GenerationStats
@@ -41,6 +41,8 @@ PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_LEN = 512
 # A prefill's per-row integers after its tokens: length, slot, max_new, seed, top_k (_prefill_rows)
 PREFILL_COLUMNS = 5
+# Query the stream after each step graph's launch, so that the driver pushes it to the device before the host's
+# chooser work (benchmarks vary it: bench_auto_host.py --flush)
 FLUSH_AFTER_LAUNCH = False
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
@@ -429,6 +431,9 @@ class DecoderBase(StepTimes):
         cfg = self.config
         for f, was in self._built.items():
             now = getattr(cfg, f)
+            if f in SPELLED_FIELDS and spelled(now) == was:
+                setattr(cfg, f, was)  # "AUTO" for "auto": what the constructor would have stored
+                continue
             if now == was or f in CEILING_FIELDS and is_int(now) and CEILING_MIN[f] <= now <= was:
                 continue
             room = f"; values from {CEILING_MIN[f]} up to {was} run on it" if f in CEILING_FIELDS else ""

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import hf_greedy, make_checkpoint, perturbed_copy
 
+import spec_graph.runtime as runtime_mod
 import spec_graph.step as step_mod
 from spec_graph import SpecDecoder, SpecGraphConfig
 from spec_graph.config import beyond_window_warning, check_window
@@ -230,6 +231,25 @@ def test_config_changed_on_a_built_engine(dec, field, value, needle):
     finally:
         setattr(dec.config, field, was)
     assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("respell", [True, False])
+def test_a_field_respelled_on_a_built_engine_is_the_same_value(dec, respell, monkeypatch):
+    """String options the constructor takes in any case ("Block", " TOKEN ") are the same value when set on a built
+    engine: it runs, and the field reads as the constructor would have stored it. Broken: compared as typed."""
+    assert SpecGraphConfig(verification=" Block ").verification == "block"
+    if not respell:
+        monkeypatch.setattr(runtime_mod, "SPELLED_FIELDS", ())
+    was = dec.config.verification
+    dec.config.verification = f" {was.upper()} "
+    try:
+        if respell:
+            assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3 and dec.config.verification == was
+        else:
+            with pytest.raises(ValueError, match="verification was set to"):
+                dec.generate([[1, 2]], 3)
+    finally:
+        dec.config.verification = was
 
 
 def test_config_changes_a_built_engine_takes(dec):

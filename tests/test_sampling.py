@@ -301,6 +301,7 @@ def test_block_verification_keeps_greedy_output(near_pair):
     assert outs[0] == outs[1]
     with pytest.raises(ValueError, match="verification must be one of"):
         SpecGraphConfig(verification="blocks")
+    assert SpecGraphConfig(verification="BLOCK").verification == "block"  # as "AUTO" is "auto"
 
 
 def test_samples_depend_on_the_request_not_its_slot(near_pair):
