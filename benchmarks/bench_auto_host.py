@@ -97,8 +97,6 @@ def main():
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--flush", action="store_true",
-                    help="also auto, replayed and the last fixed K with the stream queried after each launch")
     a = ap.parse_args()
     fixed = [int(x) for x in a.fixed.split(",") if x]
     B = a.batch_size
@@ -113,8 +111,6 @@ def main():
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
     names = ["auto", "auto no-fork", "replayed"] + [f"K={k}" for k in fixed]
-    if a.flush:
-        names += [f"{n} flush" for n in ("auto", "replayed", f"K={fixed[-1]}")]
     last_ks: dict = {}
 
     split = {"prefill": 0.0, "table": 0.0}
@@ -136,7 +132,6 @@ def main():
     def call(name, w):
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         split.update(prefill=0.0, table=0.0)
-        sg_runtime.FLUSH_AFTER_LAUNCH, name = name.endswith(" flush"), name.removesuffix(" flush")
         if name.startswith("K=") or name == "replayed":
             Scripted.script = int(name[2:]) if name.startswith("K=") else last_ks[w]
             sg_runtime.ChoiceAhead = Scripted
@@ -149,7 +144,6 @@ def main():
             wall = time.perf_counter() - t
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
-            sg_runtime.FLUSH_AFTER_LAUNCH = False
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)

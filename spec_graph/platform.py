@@ -69,12 +69,6 @@ class Platform:
         if self._mod is not None:
             self._mod.synchronize()
 
-    def flush(self) -> None:
-        """Have the driver push the work launched on the current stream to the device now (a query of the stream,
-        which does not wait), rather than at the host's next call into it."""
-        if self._mod is not None:
-            self._mod.current_stream().query()
-
     def free_memory(self) -> int:
         """Free bytes on this device (available host memory on CPU)."""
         if self._mod is None:

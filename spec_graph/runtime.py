@@ -41,9 +41,6 @@ PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_LEN = 512
 # A prefill's per-row integers after its tokens: length, slot, max_new, seed, top_k (_prefill_rows)
 PREFILL_COLUMNS = 5
-# Query the stream after each step graph's launch, so that the driver pushes it to the device before the host's
-# chooser work (benchmarks vary it: bench_auto_host.py --flush)
-FLUSH_AFTER_LAUNCH = False
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -390,10 +387,7 @@ class DecoderBase(StepTimes):
         K = self.K if K is None else K
         key = (greedy, B, K)
         if self.graphs is not None and key in self.graphs:
-            packed = self.graphs.replay(key)
-            if FLUSH_AFTER_LAUNCH:
-                self.platform.flush()
-            return packed
+            return self.graphs.replay(key)
         if self.graphs is not None and not self._fallback_warned:
             self._fallback_warned = True
             why = self.graphs.failed.get(key, f"batch {B} is over the largest bucket {self.config.batch_buckets[-1]}")
