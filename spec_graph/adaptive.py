@@ -238,7 +238,7 @@ class ChoiceAhead:
     move less from one replay to the next than one row's). Where a request is admitted, the next K is chosen from
     every count so far, with the new rows, while their prefill runs (the engine calls ``pick`` there); where rows
     finish, the K chosen during the replay serves the rows left for one replay. So no choice falls between a read
-    and the next launch, where the device would wait for it (at B=8 on an H100 such choices cost 1-2 ms a call).
+    and the next launch, where the device would wait for it (at B=8 some 19 a call had, about 60 us each).
 
     ``choose(chooser, lens) -> K`` prices a chooser's choice for the busy rows at committed lengths ``lens``
     ({row: length}). Per replay the engine calls ``pick(lens)`` for its K, ``ahead(K, N, lens)`` once it is launched,
