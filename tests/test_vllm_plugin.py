@@ -581,6 +581,20 @@ def test_flag_with_other_method_is_refused(models):
         _llm(target, None, flag=True, extra_spec={"method": "ngram", "model": None, "prompt_lookup_max": 3})
 
 
+def test_flag_without_a_speculative_config_names_the_fix():
+    """The flag with no speculative config at all says so and shows the config to add (it read "(got None)").
+    Control: a config whose method is another one keeps naming that method."""
+    from types import SimpleNamespace
+    from spec_graph.vllm_plugin.config import check_vllm_config
+
+    flag = {"enable_spec_graph": True}
+    with pytest.raises(ValueError, match="no speculative config was given: add --speculative-config") as e:
+        check_vllm_config(SimpleNamespace(additional_config=flag, speculative_config=None))
+    assert "got None" not in str(e.value)
+    with pytest.raises(ValueError, match="got 'ngram'"):
+        check_vllm_config(SimpleNamespace(additional_config=flag, speculative_config=SimpleNamespace(method="ngram")))
+
+
 def test_unknown_setting_is_refused_at_config_time(models):
     target, draft = models
     with pytest.raises(Exception, match=r"unknown key\(s\) \['steps'\]"):

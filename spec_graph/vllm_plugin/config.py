@@ -108,6 +108,11 @@ def check_vllm_config(vllm_config) -> PluginSettings:
         return settings
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
+    if spec is None:
+        raise ValueError(f"additional_config[{FLAG!r}] needs speculative_config method 'draft_model', and no "
+                         "speculative config was given: add --speculative-config '{\"method\": \"draft_model\", "
+                         "\"model\": DRAFT, \"num_speculative_tokens\": K}' (speculative_config={...} in Python), or "
+                         "drop the flag")
     if method != "draft_model":
         raise ValueError(f"additional_config[{FLAG!r}] needs speculative_config method 'draft_model' "
                          f"(got {method!r}); spec-graph drafts with a separate draft model only")
@@ -142,9 +147,10 @@ def warn_past_window(max_model_len: int, window: int, path) -> None:
         return
     _warned_windows.add(key)
     log.warning("spec-graph: max_model_len=%d is past the draft's window of %d positions (max_position_embeddings "
-                "in %s/config.json): vLLM drafts nothing for a step whose longest sequence reaches past it, so "
-                "such steps gain nothing from speculation (the output stays the target's); lower --max-model-len "
-                "to %d or use a draft with a longer window to avoid that", max_model_len, window, path, window)
+                "in %s/config.json): vLLM runs no drafter for a step whose longest sequence reaches past it (its K "
+                "drafts are placeholders, verified, rejected and counted in vLLM's draft-token metrics), so such "
+                "steps gain nothing from speculation (the output stays the target's); lower --max-model-len to %d "
+                "or use a draft with a longer window to avoid that", max_model_len, window, path, window)
 
 
 def check_covered_draft(vllm_config, args) -> None:
