@@ -16,9 +16,9 @@ is the chooser's host time on the replays' path, and what it loses against the b
 Per chooser: the median wall time of a generate call (the garbage collector off), replays and prefills per
 call, the call's time in prefills (each ends in a host read, so the device is idle when the next starts), what
 the engine's step-time table prices its replays at (each replay's K and bucket at its longest row's length, the
-host's measured share included), and the rest per replay: the host's work per replay that the table leaves out
-(it should be about the same for every K). And, from one more call with the chooser's methods timed, its host
-microseconds per replay, apart for replays with one busy row and with more.
+host's measured share included), and the rest, over the replays: what the table leaves out (at B=8 about the same
+per call for every fixed K: a cost per call more than per replay). And, from one more call with the chooser's
+methods timed, its host microseconds per replay, apart for replays with one busy row and with more.
 """
 from __future__ import annotations
 
@@ -169,13 +169,13 @@ def main():
         print("| chooser | ms per call | min | replays | prefills | prefill ms | table ms | rest us/replay | "
               "tok/step | mean K | tokens as auto's |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
+        N = dec.config.steps_per_graph
         for name in names:
             walls = [x[0] for x in res[(name, w)]]
             st = res[(name, w)][-1][1]
             same = tokens[(name, w)] == tokens[("auto", w)]
             pre = statistics.median(x[2]["prefill"] for x in res[(name, w)])
             table = statistics.median(x[2]["table"] for x in res[(name, w)])
-            N = dec.config.steps_per_graph
             rest = statistics.median((x[0] - x[2]["prefill"] - x[2]["table"]) / (x[1].steps // N)
                                      for x in res[(name, w)])
             print(f"| {name} | {1e3 * statistics.median(walls):.2f} | {1e3 * min(walls):.2f} | {st.steps} | "

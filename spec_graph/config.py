@@ -86,9 +86,7 @@ class SpecGraphConfig:
 
     def __post_init__(self):
         k = self.num_speculative_tokens = spelled(self.num_speculative_tokens)
-        if k == AUTO:
-            pass
-        elif not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k != AUTO and (not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens (K) must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or \"auto\", got {k!r}"
             )

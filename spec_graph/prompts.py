@@ -50,7 +50,7 @@ def prompt_ids(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
                              + ("; for one prompt of token ids pass a list of it, [[1, 2, 3]]" if is_int(p) else ""))
         if not ids:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             raise ValueError(f"prompt {i} has token ids out of range [0, {vocab_size}): {bad[:5]}")
         out.append(ids)
