@@ -9,10 +9,13 @@ three workloads under these choosers, taking turns call by call:
   auto          the engine's own chooser (``adaptive.ChoiceAhead``)
   auto no-fork  the same, without choosing ahead for each outcome where one row is busy (MAX_FORK_ROWS = 0)
   replayed      the Ks auto chose in its last call, replayed with no chooser work at all
+  replayed+work the same Ks, with auto's chooser work done beside them and its choices dropped
   K=k           each K of --fixed at every replay, with no chooser work
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
+"replayed+work" splits the first part: where it runs as auto does, the chooser's work costs the call its time
+although it falls while the replays run; where it runs as "replayed" does, the loss lies in when auto chooses.
 Per chooser: the median wall time of a generate call (the garbage collector off), replays and prefills per
 call, the call's time in prefills (each ends in a host read, so the device is idle when the next starts), what
 the engine's step-time table prices its replays at (each replay's K and bucket at its longest row's length, the
@@ -65,6 +68,30 @@ class Scripted:
     def seen(self, counts, lens): pass
 
 
+class Shadowed(Scripted):
+    """Scripted's Ks, with auto's own chooser work done beside them and its choices dropped: where the Ks are auto's
+    (replayed) the host does what auto's does at the same points of the loop, and only where the Ks come from
+    differs."""
+
+    def __init__(self, chooser, choose):
+        super().__init__(chooser, choose)
+        self.shadow = ChoiceAhead(chooser, choose)
+
+    def pick(self, lens):
+        self.shadow.pick(lens)
+        return super().pick(lens)
+
+    def ahead(self, k, n, lens):
+        self.shadow.ahead(k, n, lens)
+        super().ahead(k, n, lens)
+
+    def admit(self, row):
+        self.shadow.admit(row)
+
+    def seen(self, counts, lens):
+        self.shadow.seen(counts, lens)
+
+
 class Timed(ChoiceAhead):
     """ChoiceAhead with its host time per replay added up, by busy rows (one, or more)."""
 
@@ -110,7 +137,7 @@ def main():
     dec.generate([wl["stdlib"][0][:16]], 4)
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
-    names = ["auto", "auto no-fork", "replayed"] + [f"K={k}" for k in fixed]
+    names = ["auto", "auto no-fork", "replayed", "replayed+work"] + [f"K={k}" for k in fixed]
     last_ks: dict = {}
 
     split = {"prefill": 0.0, "table": 0.0}
@@ -132,9 +159,9 @@ def main():
     def call(name, w):
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         split.update(prefill=0.0, table=0.0)
-        if name.startswith("K=") or name == "replayed":
+        if name.startswith("K=") or name.startswith("replayed"):
             Scripted.script = int(name[2:]) if name.startswith("K=") else last_ks[w]
-            sg_runtime.ChoiceAhead = Scripted
+            sg_runtime.ChoiceAhead = Shadowed if name == "replayed+work" else Scripted
         elif name == "auto no-fork":
             ChoiceAhead.MAX_FORK_ROWS = 0
         try:
