@@ -537,3 +537,69 @@ def test_meta_shapes(K):
                             torch.empty(B, K + 1, V, device="meta"), torch.empty(B, **m), torch.empty(B, **m),
                             torch.empty(B, dtype=torch.bool, device="meta"))
     assert s.shape == (B, K + 1) and n.shape == (B,)
+
+
+def _contract_inputs(B=2, K=3, V=5, L=8):
+    i64 = dict(dtype=torch.int64)
+    state = dict(active=torch.ones(B, dtype=torch.bool), tail=torch.zeros((B, 2), **i64),
+                 seq_lens=torch.full((B,), 4, **i64), n_out=torch.zeros(B, **i64), max_new=torch.full((B,), L, **i64),
+                 stop_ids=torch.ones(1, **i64), out_buf=torch.zeros((B, L), **i64))
+    verify = dict(draft_token_ids=torch.zeros((B, K), **i64), draft_probs=torch.full((B, K, V), 1 / V),
+                  target_probs=torch.full((B, K + 1, V), 1 / V), seeds=torch.zeros(B, **i64),
+                  steps=torch.zeros(B, **i64), active=torch.ones(B, dtype=torch.bool))
+    x, w = torch.randn(B, 1, 8), torch.randn(6, 8)
+    linear = dict(x=x, w=w, b=torch.zeros(6), norm_w=torch.ones(8), eps=1e-6)
+    return {"decode_linear": dict(linear, residual=torch.zeros(B, 1, 6), sync=None),
+            "decode_gate_up": dict(linear, sync=None),
+            "greedy_accept_prepare": dict(draft_token_ids=torch.zeros((B, K), **i64),
+                                          target_argmax=torch.zeros((B, K + 1), **i64), **state),
+            "prepare_next": dict(sampled=torch.zeros((B, K + 1), **i64), **state),
+            "rejection_sample": verify, "block_verify": dict(verify)}
+
+
+# (op, argument, how it is broken, what the message names); None: the inputs as the contract has them
+CONTRACT_CASES = [
+    ("greedy_accept_prepare", None, None, None),
+    ("greedy_accept_prepare", "draft_token_ids", lambda t: t.float() + 0.5, "draft_token_ids must be int64"),
+    ("greedy_accept_prepare", "target_argmax", lambda t: t[:, :-1], r"target_argmax must be int64 \[2, 4\]"),
+    ("greedy_accept_prepare", "active", lambda t: t.long(), r"active must be bool \[2\]"),
+    ("greedy_accept_prepare", "tail", lambda t: t[:, 0], r"tail must be int64 \[2, 2\]"),
+    ("greedy_accept_prepare", "out_buf", lambda t: t.t().contiguous().t(), "out_buf rows must be contiguous"),
+    ("greedy_accept_prepare", "stop_ids", lambda t: t.int(), r"stop_ids must be int64 \[S\]"),
+    ("prepare_next", None, None, None),
+    ("prepare_next", "sampled", lambda t: t.int(), r"sampled must be int64 \[B, K\+1\]"),
+    ("prepare_next", "max_new", lambda t: t[:1], r"max_new must be int64 \[2\]"),
+    ("prepare_next", "out_buf", lambda t: t[:1], r"out_buf must be int64 \[2, L\]"),
+    ("rejection_sample", None, None, None),
+    ("rejection_sample", "target_probs", lambda t: t.double(), r"target_probs must be float32 \[2, 4, 5\]"),
+    ("rejection_sample", "draft_probs", lambda t: t[:, :, 0], r"draft_probs must be float32 \[2, 3, V\]"),
+    ("rejection_sample", "seeds", lambda t: t.float(), r"seeds must be int64 \[2\]"),
+    ("block_verify", None, None, None),
+    ("block_verify", "active", lambda t: t[:1], r"active must be bool \[2\]"),
+    ("block_verify", "target_probs", lambda t: t[:, :-1], r"target_probs must be float32 \[2, 4, 5\]"),
+    ("decode_linear", None, None, None),
+    ("decode_linear", "w", lambda t: t[:, :7], r"w must be float32 \[N, 8\] \(x's dtype and width\)"),
+    ("decode_linear", "w", lambda t: t.double(), r"w must be float32 \[N, 8\]"),
+    ("decode_linear", "b", lambda t: t[:5], r"b must be None or floating \[6\]"),
+    ("decode_linear", "residual", lambda t: t[..., :5], r"residual must be None or floating \[2, 1, 6\]"),
+    ("decode_gate_up", None, None, None),
+    ("decode_gate_up", "w", lambda t: t[:5], "w must have an even number of rows"),
+    ("decode_gate_up", "norm_w", lambda t: t[:4], r"norm_w must be None or floating \[8\]"),
+]
+
+
+@pytest.mark.parametrize("op,arg,broken,msg", CONTRACT_CASES,
+                         ids=[f"{c[0]}-{c[1] or 'valid'}-{i}" for i, c in enumerate(CONTRACT_CASES)])
+def test_ops_refuse_inputs_outside_their_contract(op, arg, broken, msg):
+    """Each op names the argument outside its contract in one ValueError, on whichever path runs (the kernel or its
+    reference), instead of a torch error from inside it or a silently wrong result (a kernel reading past a row).
+    Control: the same inputs as the contract has them run."""
+    importlib.import_module("spec_graph.kernels.decode_linear")  # registers the decode ops (the models import it)
+    kwargs = _contract_inputs()[op]
+    fn = getattr(torch.ops.spec_graph, op)
+    if arg is None:
+        fn(*kwargs.values())
+        return
+    kwargs[arg] = broken(kwargs[arg])
+    with pytest.raises(ValueError, match=f"spec_graph::{op}: {msg}"):
+        fn(*kwargs.values())

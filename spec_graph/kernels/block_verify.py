@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
+from .contracts import check, verifier_problem
 from .greedy_accept import _TL_PLACEHOLDER
 from .rejection_sample import commit_at, draft_token_probs, launch_verifier, tl_draft_probs, tl_residual_race
 from .rng import _TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, hash_uniform, tl_hash_uniform, use_kernel
@@ -116,6 +117,7 @@ def _block_verify_op(
     steps: torch.Tensor, active: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (draft_token_ids, draft_probs, target_probs, seeds, steps, active)
+    check("block_verify", verifier_problem(*args))
     if not use_kernel(_block_verify_kernel, draft_token_ids):
         return block_verify_ref(*args)
     return launch_verifier(_block_verify_kernel, *args, max_programs)

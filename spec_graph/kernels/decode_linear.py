@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._triton import tl, triton
 
 from .. import platform
+from .contracts import check, linear_problem
 from .counters import arrive_last, rearm
 from .greedy_head import MERGE_BLOCK, _argmax_merge, _argmax_part, head_argmax_ref
 from . import linear_launch as launch
@@ -373,6 +374,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
 @torch.library.triton_op("spec_graph::decode_linear", mutates_args=("sync",))
 def _decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
                       eps: float, residual: Optional[torch.Tensor], sync: Optional[torch.Tensor]) -> torch.Tensor:
+    check("decode_linear", linear_problem(x, w, b, norm_w, residual))
     if not use_kernel(_decode_linear_kernel, x):
         return decode_linear_ref(x, w, b, norm_w, eps, residual)
     N = w.shape[0]
@@ -382,6 +384,7 @@ def _decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
 @torch.library.triton_op("spec_graph::decode_gate_up", mutates_args=("sync",))
 def _decode_gate_up_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
                        eps: float, sync: Optional[torch.Tensor]) -> torch.Tensor:
+    check("decode_gate_up", linear_problem(x, w, b, norm_w, even_out=True))
     if not use_kernel(_decode_linear_kernel, x):
         return decode_gate_up_ref(x, w, b, norm_w, eps)
     inter = w.shape[0] // 2
@@ -392,6 +395,7 @@ def _decode_gate_up_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tenso
 def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm_w: Optional[torch.Tensor],
                         eps: float, cos: torch.Tensor, sin: torch.Tensor, rope_heads: int,
                         head_dim: int, sync: Optional[torch.Tensor]) -> torch.Tensor:
+    check("decode_qkv_rope", linear_problem(x, w, b, norm_w))
     if not use_kernel(_decode_linear_kernel, x):
         return decode_qkv_rope_ref(x, w, b, norm_w, eps, cos, sin, rope_heads, head_dim)
     N = w.shape[0]
@@ -404,6 +408,7 @@ def _decode_qkv_rope_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tens
 @torch.library.triton_op("spec_graph::decode_head_argmax", mutates_args=("sync",))
 def _decode_head_argmax_op(x: torch.Tensor, w: torch.Tensor, norm_w: Optional[torch.Tensor], eps: float,
                            sync: torch.Tensor) -> torch.Tensor:
+    check("decode_head_argmax", linear_problem(x, w, None, norm_w))
     if not use_kernel(_decode_linear_kernel, x) or sync.numel() == 0:
         return head_argmax_ref(x, w, norm_w, eps)
     return _launch(PLAIN, x, w, None, norm_w, eps, None, None, None, 0, 1, w.shape[0], w.shape[0], sync=sync,
@@ -427,6 +432,7 @@ def _decode_qkv_rope_cache_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torc
                               n_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                               slots: Optional[torch.Tensor], positions: torch.Tensor,
                               sync: Optional[torch.Tensor]) -> torch.Tensor:
+    check("decode_qkv_rope_cache", linear_problem(x, w, b, norm_w))
     n_kv = k_cache.shape[2]
     q_cols = n_heads * head_dim
     if not use_kernel(_decode_linear_kernel, x):

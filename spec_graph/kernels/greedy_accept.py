@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
+from .contracts import check, greedy_accept_problem
 from .rng import block_for, num_programs, use_kernel, wrap_triton
 
 PLACEHOLDER = -1  # "no token" in sampled rows and in the padding of stop_ids
@@ -167,6 +168,8 @@ def _greedy_accept_prepare_op(
     seq_lens: torch.Tensor, n_out: torch.Tensor, max_new: torch.Tensor, stop_ids: torch.Tensor,
     out_buf: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check("greedy_accept_prepare", greedy_accept_problem(draft_token_ids, target_argmax, active, tail, seq_lens,
+                                                         n_out, max_new, stop_ids, out_buf))
     dev = draft_token_ids.device
     if not use_kernel(_greedy_accept_prepare_kernel, draft_token_ids):
         return greedy_accept_prepare_ref(draft_token_ids, target_argmax, active, tail, seq_lens, n_out, max_new,
@@ -174,8 +177,6 @@ def _greedy_accept_prepare_op(
     B, K = draft_token_ids.shape
     S = stop_ids.shape[0]
     outs = _new_outputs(B, K + 1, dev)
-    if out_buf.stride(1) != 1:
-        raise ValueError("out_buf rows must be contiguous (stride(1) == 1)")
     grid = (num_programs(B, max_programs, dev),)
     wrap_triton(_greedy_accept_prepare_kernel)[grid](
         draft_token_ids.contiguous(), target_argmax.contiguous(), active.contiguous(), tail.contiguous(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
+from .contracts import check, prepare_next_problem
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER, prep_append_ref, tl_prep_append
 from .rng import block_for, num_programs, use_kernel, wrap_triton
 
@@ -53,6 +54,7 @@ def _prepare_next_op(
     sampled: torch.Tensor, active: torch.Tensor, tail: torch.Tensor, seq_lens: torch.Tensor, n_out: torch.Tensor,
     max_new: torch.Tensor, stop_ids: torch.Tensor, out_buf: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check("prepare_next", prepare_next_problem(sampled, active, tail, seq_lens, n_out, max_new, stop_ids, out_buf))
     dev = sampled.device
     if not use_kernel(_prepare_next_kernel, sampled):
         return prepare_next_ref(sampled, active, tail, seq_lens, n_out, max_new, stop_ids, out_buf)
@@ -61,8 +63,6 @@ def _prepare_next_op(
     i64 = dict(dtype=torch.int64, device=dev)
     outs = (torch.empty(B, **i64), torch.empty(B, **i64), torch.empty((B, 2), **i64), torch.empty(B, **i64),
             torch.empty(B, **i64), torch.empty(B, dtype=torch.bool, device=dev))
-    if out_buf.stride(1) != 1:
-        raise ValueError("out_buf rows must be contiguous (stride(1) == 1)")
     grid = (num_programs(B, max_programs, dev),)
     wrap_triton(_prepare_next_kernel)[grid](
         sampled.contiguous(), active.contiguous(), tail.contiguous(), seq_lens.contiguous(), n_out.contiguous(),

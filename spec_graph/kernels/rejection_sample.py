@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from ._triton import tl, triton
 
+from .contracts import check, verifier_problem
 from .greedy_accept import _TL_PLACEHOLDER, PLACEHOLDER
 from .rng import (_TL_REQUEST_ROW, ACCEPT_COL, REQUEST_ROW, block_for, hash_uniform, num_programs, race_sample,
                   tl_hash_uniform, tl_race_key,
@@ -166,6 +167,7 @@ def _rejection_sample_op(
     steps: torch.Tensor, active: torch.Tensor, max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (draft_token_ids, draft_probs, target_probs, seeds, steps, active)
+    check("rejection_sample", verifier_problem(*args))
     if not use_kernel(_rejection_sample_kernel, draft_token_ids):
         return rejection_sample_ref(*args)
     return launch_verifier(_rejection_sample_kernel, *args, max_programs)

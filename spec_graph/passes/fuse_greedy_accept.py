@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from .fusion import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs
+from ..kernels import contracts
+from ..kernels.contracts import greedy_accept_problem
+from .fusion import COUNT_FORMULATIONS, FusionPass, _state_inputs
 
 _ga = importlib.import_module("spec_graph.kernels.greedy_accept")
 
@@ -51,7 +53,7 @@ class FuseGreedyAccept(FusionPass):
 
     name = "fuse_greedy_accept"
     input_names = GREEDY_INPUTS
-    source_files = (_ga.__file__,)
+    source_files = (_ga.__file__, contracts.__file__)
 
     @property
     def op(self):
@@ -69,11 +71,7 @@ class FuseGreedyAccept(FusionPass):
         return (torch.zeros((B, K), **i64), torch.zeros((B, K + 1), **i64), *_state_inputs(B, L, S, device))
 
     def check_inputs(self, vals: dict) -> bool:
-        d, t = vals["draft_token_ids"], vals["target_argmax"]
-        if d.dim() != 2 or t.dim() != 2 or d.dtype != torch.int64 or t.dtype != torch.int64:
-            return False
-        B, K = d.shape
-        return tuple(t.shape) == (B, K + 1) and K >= 1 and _check_state(vals, B, K + 1)
+        return greedy_accept_problem(**vals) is None
 
 
 __all__ = ["FuseGreedyAccept"]

@@ -16,7 +16,9 @@ import torch
 # submodules by path: the kernels package re-exports a function named prepare_next
 _ga = importlib.import_module("spec_graph.kernels.greedy_accept")
 _pn = importlib.import_module("spec_graph.kernels.prepare_next")
-from .fusion import COUNT_FORMULATIONS, FusionPass, _check_state, _state_inputs  # noqa: E402
+from ..kernels import contracts  # noqa: E402
+from ..kernels.contracts import prepare_next_problem  # noqa: E402
+from .fusion import COUNT_FORMULATIONS, FusionPass, _state_inputs  # noqa: E402
 
 PLACEHOLDER = _ga.PLACEHOLDER
 PREPARE_INPUTS = ("sampled", "active", "tail", "seq_lens", "n_out", "max_new", "stop_ids", "out_buf")
@@ -40,7 +42,7 @@ class FusePrepareNext(FusionPass):
 
     name = "fuse_prepare_next"
     input_names = PREPARE_INPUTS
-    source_files = (_ga.__file__, _pn.__file__)
+    source_files = (_ga.__file__, _pn.__file__, contracts.__file__)
 
     @property
     def op(self):
@@ -56,11 +58,7 @@ class FusePrepareNext(FusionPass):
         return (torch.zeros((B, K + 1), dtype=torch.int64, device=device), *_state_inputs(B, L, S, device))
 
     def check_inputs(self, vals: dict) -> bool:
-        s = vals["sampled"]
-        if s.dim() != 2 or s.dtype != torch.int64:
-            return False
-        B, K1 = s.shape
-        return _check_state(vals, B, K1)
+        return prepare_next_problem(**vals) is None
 
 
 __all__ = ["FusePrepareNext"]

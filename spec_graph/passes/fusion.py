@@ -554,17 +554,4 @@ def _state_inputs(B, L, S, device):
             torch.zeros((B, L), **i64))
 
 
-def _check_state(vals: dict, B: int, K1: int) -> bool:
-    """The op contract: int64 tokens/state, bool active, [B]/[B,2]/[S]/[B,L] shapes, out_buf rows contiguous."""
-    i64 = torch.int64
-    ob = vals["out_buf"]
-    return (vals["active"].dtype == torch.bool and tuple(vals["active"].shape) == (B,)
-            and all(vals[k].dtype == i64 for k in ("tail", "seq_lens", "n_out", "max_new", "stop_ids", "out_buf"))
-            and tuple(vals["tail"].shape) == (B, 2)
-            and all(tuple(vals[k].shape) == (B,) for k in ("seq_lens", "n_out", "max_new"))
-            and vals["stop_ids"].dim() == 1
-            and ob.dim() == 2 and ob.shape[0] == B and (ob.shape[1] <= 1 or ob.stride(1) == 1)
-            and K1 >= 1)
-
-
 __all__ = ["COUNT_FORMULATIONS", "FusionPass", "files_hash"]
