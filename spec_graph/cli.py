@@ -306,9 +306,10 @@ def _generate(a) -> int:
     failed = [i for i, r in enumerate(out) if r.finish_reason == "error"]
     if failed:
         kept = ", ".join(str(len(out[i].token_ids)) for i in failed)
+        fix = "export again with --dtype float32" if a.exported else "run with --dtype float32"
         print(f"spec-graph: error: request{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed: "
-              f"the target's logits turned NaN/inf (tokens kept: {kept}); check the target's weights, or run "
-              "with --dtype float32 if float16 overflows", file=sys.stderr)
+              f"the target's logits turned NaN/inf (tokens kept: {kept}); check the target's weights, or {fix} "
+              "if float16 overflows", file=sys.stderr)
         return 1
     return 0
 

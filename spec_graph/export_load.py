@@ -121,6 +121,11 @@ def read_metadata(path) -> dict:
     return meta
 
 
+def _spans(sizes: list[int]) -> str:
+    return f"1 to {sizes[-1]}" if len(sizes) > 2 and sizes == list(range(1, sizes[-1] + 1)) else \
+        ", ".join(map(str, sizes))
+
+
 class ExportedRunner(DecoderBase):
     """``generate(...)`` as ``SpecDecoder``'s, over the AOTInductor artifacts of an export."""
 
@@ -135,10 +140,26 @@ class ExportedRunner(DecoderBase):
                          use_graphs=use_graphs, rows=meta["rows"])
         self.window = meta.get("window")  # the pair's max_position_embeddings
 
-    def _rebuild_hint(self, field: str) -> str:
+    def _rebuild_hint(self, field: str, value=None) -> str:
+        if field == "max_batch_size" and is_int(value) and value > self.batch_sizes[-1]:
+            return f"export again with larger --batch-sizes (the largest exported is {self.batch_sizes[-1]})"
         if field in ("max_batch_size", "enable_graph", "device"):
             return f"load the export again for this value (load_exported({str(self.path)!r}, {field}=...))"
         return f"export again for this value (spec-graph export with the {field} you want)"
+
+    def _check_config(self) -> None:
+        super()._check_config()
+        served = self._served_sizes()
+        unserved = [b for b in self.config.batch_buckets if b not in served]
+        if unserved:
+            raise ValueError(f"batch_buckets {list(self.config.batch_buckets)} holds {unserved}, for which {self.path} "
+                             f"has no step (its steps serve batch sizes {_spans(served)}): give buckets among those, "
+                             f"or export again with --batch-sizes that include {unserved[0]}")
+
+    def _served_sizes(self) -> list[int]:
+        """The batch sizes every exported step (greedy, and sampled where exported) runs at."""
+        modes = {g for g, _ in self._steps}
+        return [b for b in range(1, self.rows + 1) if all((g, b) in self._steps for g in modes)]
 
     def _no_sampling(self) -> ExportError:
         return ExportError(f"{self.path} holds only the greedy step (it was exported without --sampling): use "
@@ -247,6 +268,12 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
     names = meta["weights"]
     if sorted(tensors) != sorted(names):
         raise ExportError(f"{path} is corrupt: {WEIGHTS} does not hold the weights {META} names; export it again")
+    for role in ("target", "draft"):  # prompt ids are checked against vocab_size: it must index the embeddings
+        emb = tensors.get(f"{role}.model.embed_tokens.weight")
+        rows = emb.shape[0] if emb is not None and emb.dim() == 2 else None
+        if rows != meta["vocab_size"]:
+            raise ExportError(f"{path} is damaged: its {META} does not match its artifacts (vocab_size "
+                              f"{meta['vocab_size']!r}, but the {role}'s embedding has {rows} rows); export it again")
     weights = tuple(tensors[n].to(plat.device) for n in names)
     del tensors
     tokenizer = None
@@ -270,5 +297,16 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
         except Exception as e:  # noqa: BLE001 - a broken artifact, whatever the loader raises
             raise ExportError(f"{path}: artifact {a['file']} does not load ({type(e).__name__}: {e}); "
                               "export it again") from None
-    steps = {(mode == "greedy", int(B)): models[name] for mode, per in meta["steps"].items() for B, name in per.items()}
+    steps = {(mode == "greedy", B): models[name] for (mode, B), name in step_per_size(meta).items()}
     return ExportedRunner(meta, weights, models["prefill"], steps, cfg, plat, tokenizer, workdir, path)
+
+
+def step_per_size(meta: dict) -> dict[tuple[str, int], str]:
+    """{(mode, batch size): step artifact} for every size an export's steps run at: the sizes exported, and every
+    size up to ``rows`` where one artifact serves several (its batch dimension is symbolic over 1..rows)."""
+    out = {}
+    for mode, per in meta["steps"].items():
+        names = set(per.values())
+        sizes = range(1, meta["rows"] + 1) if len(per) > 1 and len(names) == 1 else sorted(map(int, per))
+        out.update({(mode, B): per.get(str(B)) or next(iter(names)) for B in sizes})
+    return out

@@ -416,7 +416,7 @@ class DecoderBase(StepTimes):
         with self._generate_lock:
             return self._generate(encoded, max_new_tokens, params, int(seed), stop_set, progress)
 
-    def _rebuild_hint(self, field: str) -> str:
+    def _rebuild_hint(self, field: str, value=None) -> str:
         return f"build a new engine for this value (SpecGraphConfig({field}=...))"
 
     def _check_config(self) -> None:
@@ -432,7 +432,7 @@ class DecoderBase(StepTimes):
                 continue
             room = f"; values from {CEILING_MIN[f]} up to {was} run on it" if f in CEILING_FIELDS else ""
             raise ValueError(f"{f} was set to {now!r} on a built engine, which was built with {was!r}{room}: its "
-                             f"buffers, caches and steps were made for that, so {self._rebuild_hint(f)}")
+                             f"buffers, caches and steps were made for that, so {self._rebuild_hint(f, now)}")
         cfg.batch_buckets = checked_buckets(cfg.batch_buckets)
         if cfg.bucket_for(cfg.max_batch_size) > self.rows:
             raise ValueError(f"batch_buckets {list(cfg.batch_buckets)} pads a batch of max_batch_size="

@@ -380,6 +380,7 @@ def test_error_edited_metadata_is_damaged(tmp_path, exported, capsys, field, val
     ({"rows": 1}, "rows 1 is not the largest batch size 2"),
     ({"num_speculative_tokens": "3"}, "num_speculative_tokens is '3', not a positive integer"),
     ({"kv_cache": {}}, "kv_cache draft_k has shape None"),
+    ({"vocab_size": 200}, "vocab_size 200, but the target's embedding has 96 rows"),
 ])
 def test_package_without_its_metadata_sha256_is_cross_checked(tmp_path, exported, changes, match):
     """Packages written before metadata_sha256 still load (format 3 gained a key); their metadata is checked
@@ -438,6 +439,55 @@ def test_fields_set_on_a_loaded_export_name_the_fix_for_an_export(exported):
         runner.generate([[5, 6]], 2)
     runner.config.num_speculative_tokens -= 1
     assert len(runner.generate([[5, 6]], 2)[0].token_ids) == 2  # the control: as loaded, it runs
+    runner.config.max_batch_size = 3  # past every exported size: loading again cannot give it
+    with pytest.raises(ValueError, match=r"export again with larger --batch-sizes \(the largest exported is 2\)"):
+        runner.generate([[5, 6]], 2)
+
+
+def test_step_per_size():
+    """One artifact named for several sizes is symbolic in its batch and serves every size up to rows; artifacts
+    per size serve theirs; a lone size's artifact only its own (it may have been compiled for that size alone)."""
+    from spec_graph.export_load import step_per_size
+
+    def steps(per, rows):
+        return step_per_size({"steps": {"greedy": per}, "rows": rows})
+    assert steps({"1": "step_greedy", "4": "step_greedy"}, 4) == {("greedy", b): "step_greedy" for b in (1, 2, 3, 4)}
+    assert steps({"1": "step_greedy_b1", "4": "step_greedy_b4"}, 4) == {("greedy", 1): "step_greedy_b1",
+                                                                        ("greedy", 4): "step_greedy_b4"}
+    assert steps({"4": "step_greedy"}, 4) == {("greedy", 4): "step_greedy"}
+
+
+def test_buckets_a_loaded_export_has_no_step_for_are_refused_by_name(exported, reference):
+    """Batch buckets set on a loaded export are checked against the sizes its steps run at before anything runs
+    (a step per exported size here, as where the batch could not be symbolic), naming the fix. Control: buckets
+    among them run, with the engine's output."""
+    from spec_graph.export import ExportedRunner
+
+    base = load_exported(exported[0])
+    only_2 = {key: fn for key, fn in base._steps.items() if key[1] == 2}
+    runner = ExportedRunner(base.metadata, base.weights, base._prefill_fn, only_2, base.config, base.platform,
+                            base.tokenizer, base._workdir, base.path)
+    with pytest.raises(ValueError, match=r"batch_buckets \[1, 2\] holds \[1\], for which .* has no step \(its steps "
+                                         r"serve batch sizes 2\): give buckets among those, or export again with "
+                                         r"--batch-sizes that include 1"):
+        runner.generate(PROMPTS, max_new_tokens=20)
+    runner.config.batch_buckets = (2,)
+    out = runner.generate(PROMPTS, max_new_tokens=20)
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference()]
+
+
+def test_cli_nan_request_of_an_export_says_to_export_again(tmp_path, exported, capsys):
+    """A package whose target turns NaN fails its requests (exit 1) with advice an export can take."""
+    from safetensors.torch import load, save
+
+    with zipfile.ZipFile(exported[0]) as z:
+        state = load(z.read("weights.safetensors"))
+    state["target.model.norm.weight"][...] = float("nan")
+    bad = _rewrite(exported[0], tmp_path / "nan.pt2", members={"weights.safetensors": save(state)})
+    assert main(["generate", "--exported", str(bad), "--prompt-ids", "5,6,7", "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "logits turned NaN/inf" in err and "or export again with --dtype float32" in err, err
+    assert "run with --dtype" not in err
 
 
 def _cut_library(artifact: bytes) -> bytes:
