@@ -119,7 +119,7 @@ def prefill_models(draft, target, toks, pos, slots, lens, draft_k, draft_v, targ
     max_len): writes their caches at the rows' slots and returns the target's float32 logits at lens - 1.
     any_len: no branch on T (compiled with T symbolic)."""
     T = toks.shape[1]
-    kw = dict(slots=slots, kv_len=T, logits_at=lens - 1, any_len=any_len)
+    kw = dict(slots=slots, kv_len=T, logits_at=lens - 1, any_len=any_len, causal=True)
     draft(toks, pos, draft_k, draft_v, **kw)
     return target(toks, pos, target_k, target_v, **kw)
 

@@ -246,7 +246,7 @@ def export_pair(target_dir, draft_dir, out, num_speculative_tokens: int = 4, bat
     def prefill(*flat):
         wt, wd, (toks, pos, slots, lens, span, dk, dv, tk, tv) = _split_weights(flat, names_t, names_d)
         kv_len = span.shape[0]  # positions [0, T): attention reads that much of the caches, not max_len
-        last = {"slots": slots, "kv_len": kv_len, "logits_at": lens - 1}
+        last = {"slots": slots, "kv_len": kv_len, "logits_at": lens - 1, "causal": True}
         fcall(draft, wd, (toks, pos, dk, dv), last)
         return fcall(target, wt, (toks, pos, tk, tv), last)
 

@@ -93,7 +93,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, kv_len=None, any_len=False):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, kv_len=None, any_len=False, causal=False):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, positions, k_cache, v_cache, slots, kv_len, any_len)
+        out = self.attend(q, k, v, positions, k_cache, v_cache, slots, kv_len, any_len, causal)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
     def uses_decode_attention(self, x, any_len: bool = False) -> bool:
@@ -113,11 +113,20 @@ class Attention(nn.Module):
         return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
                 and platform.use_triton(device))
 
-    def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None, any_len=False):
+    def _mask(self, kpos, positions) -> torch.Tensor:
+        """[B, T, L]: the keys at ``kpos`` each query at ``positions`` [B, T] sees (its own and earlier ones, within
+        the sliding window where the model has one)."""
+        mask = kpos[None, None, :] <= positions[:, :, None]
+        if self.window:
+            mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
+        return mask
+
+    def attend(self, q, k, v, positions, k_cache, v_cache, slots, kv_len=None, any_len=False, causal=False):
         """Write this forward's k, v ([B, T, Hkv, D]) into the cache and attend: [B, T, Hq, D]. ``kv_len``: every
         position is below it (a prefill's length), so the matmul path reads that much of the cache alone.
         ``any_len``: a prefill compiled for every length (dynamo shows its symbolic T as an int): the path of a
-        symbolic T, with no branch on T's value."""
+        symbolic T, with no branch on T's value. ``causal``: every row's positions are 0..T-1 (a prefill from the
+        start), so that a prefill's fused attention needs no mask of its own."""
         B, T = q.shape[:2]
         v = v.reshape(B, T, self.n_kv, self.head_dim)
         rows = (torch.arange(B, device=q.device) if slots is None else slots)[:, None, None]
@@ -144,15 +153,19 @@ class Attention(nn.Module):
 
         L = keys.shape[2]
         kpos = torch.arange(L, device=q.device)
-        mask = kpos[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        if self.window:
-            mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
         if kv_len is not None and (symbolic or T >= PREFILL_SDPA_POSITIONS):
             # a prefill (each query sees its own key; T symbolic: an export's, of any length): fused attention,
             # with memory linear in the scores' rows
             kh, vh = (t.repeat_interleave(g, dim=1) for t in (keys, values))  # query head h reads kv head h // g
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask[:, None])
+            if causal and not self.window:
+                # the mask is then the causal one: built, it would cost B * T * L bytes and keep SDPA off its fused
+                # kernels (on a CPU a 16k-token prompt took 10x as long)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh,
+                                                     attn_mask=self._mask(kpos, positions)[:, None])
             return out.transpose(1, 2)
+        mask = self._mask(kpos, positions)
 
         # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
         qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4)
@@ -186,13 +199,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.fused = None  # None: FUSED_LAYERS decides; Transformer.fused_layers sets it per model
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None, kv_len=None, any_len=False):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None, kv_len=None, any_len=False,
+                causal=False):
         fused = FUSED_LAYERS if self.fused is None else self.fused
         if (fused and self.self_attn.q_norm is None and self.self_attn.uses_decode_attention(x, any_len)
                 and platform.use_fused_linear(x.device) and fused_rows_ok(x)):
             return self.forward_fused(x, cos, sin, positions, k_cache, v_cache, slots, sync)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, slots, kv_len,
-                               any_len)
+                               any_len, causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x, cos, sin, positions, k_cache, v_cache, slots, sync=None):
@@ -263,14 +277,15 @@ class Transformer(nn.Module):
         return make(), make()
 
     def forward(self, tokens, positions, k_cache, v_cache, slots=None, kv_len=None, logits_at=None, any_len=False,
-                choose=False):
-        """fp32 logits [B, T, V]; with choose, (argmax ids [B, T], all-finite flags [B, T]) of those logits."""
+                choose=False, causal=False):
+        """fp32 logits [B, T, V]; with choose, (argmax ids [B, T], all-finite flags [B, T]) of those logits.
+        causal: every row's positions are 0..T-1 (a prefill from the start)."""
         x = self.model.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len, any_len)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, slots, self.linear_sync, kv_len, any_len, causal)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if logits_at is not None:
             # the norm and head at one position per row: a long prompt's [B, T, V] fp32 logits would not fit
