@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export the sampling step (temperature > 0); without it the package is greedy only")
     e.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 
-    sub.add_parser("info", help="show versions, the platform found, and whether graphs are available")
+    i = sub.add_parser("info", help="show versions, the platform found, and whether graphs are available")
+    p.commands = {"generate": g, "export": e, "info": i}  # a flag a command lacks is that command's error
     return p
 
 
@@ -401,7 +402,10 @@ def _log_to_stderr() -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's parser, so that its help is the one pointed to
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     _log_to_stderr()
     try:
         if args.command == "generate":

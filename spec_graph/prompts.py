@@ -81,5 +81,7 @@ def stop_ids(stop_token_ids, eos_token_ids, vocab_size: int) -> set[int]:
             raise ValueError(f"stop token id {t!r} (stop_token_ids) is out of range [0, {vocab_size})")
     stop_set = set(eos_token_ids) | {int(t) for t in given}
     if len(stop_set) > MAX_STOP_IDS:
-        raise ValueError(f"{len(stop_set)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
+        raise ValueError(f"{len(stop_set)} stop token ids in all, the model's {len(set(eos_token_ids))} EOS ids "
+                         f"counted; at most {MAX_STOP_IDS} are supported, so give at most "
+                         f"{max(MAX_STOP_IDS - len(set(eos_token_ids)), 0)} stop ids besides them")
     return stop_set

@@ -133,6 +133,10 @@ def test_stop_token_ids_flag(capsys, llama_pair):
     (["generate", "--prompt-ids", "65,66,"], "comma-separated integers"),
     (["generate", "--prompt", "\udcff\udcfe"], "prompt 0 (--prompt) is not valid UTF-8 text"),
     (["generate", "--prompt-ids", "1", "--exported", str(Path(__file__).parent)], "is a directory, not a package"),
+    # a flag the command lacks points to that command's help (the top level's lists only the commands)
+    (["generate", "--prompt", "x", "--bogus"], "unrecognized arguments: --bogus (see spec-graph generate --help)"),
+    (["export", "-o", "never.pt2", "--prompt", "x"], "unrecognized arguments: --prompt x (see spec-graph export --help)"),
+    (["--bogus", "info"], "unrecognized arguments: --bogus (see spec-graph info --help)"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     from spec_graph import platform
@@ -286,6 +290,7 @@ def test_nan_target_fails_the_request_and_the_exit_code(capsys, llama_pair, tmp_
     assert [o["finish_reason"] for o in outs] == ["error", "error"] and [o["token_ids"] for o in outs] == [[], []]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spec-graph: error: requests 0, 1 failed") and "NaN" in lines[0]
+    assert "or run with --dtype float32" in lines[0] and "export again" not in lines[0]
 
 
 def test_nan_draft_alone_still_gives_the_target_output(capsys, llama_pair, tmp_path):
@@ -410,3 +415,26 @@ def test_default_max_len_counts_the_tokenizers_special_tokens(capsys, llama_pair
                              "ab", "--max-new-tokens", "62", "--json")
     assert (code == 0) != broken, err
     assert broken or len(json.loads(out)["outputs"][0]["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_too_many_stop_ids_says_how_many_fit_besides_eos(extra):
+    """The stop ids and the model's EOS ids share MAX_STOP_IDS slots: the error says how many the user may give.
+    Control: that many are taken."""
+    from spec_graph.prompts import MAX_STOP_IDS, stop_ids
+
+    eos = (1, 2)
+    given = list(range(10, 10 + MAX_STOP_IDS - len(eos) + extra))
+    if not extra:
+        assert len(stop_ids(given, eos, 1000)) == MAX_STOP_IDS
+        return
+    with pytest.raises(ValueError, match=rf"{MAX_STOP_IDS + 1} stop token ids in all, the model's 2 EOS ids counted; "
+                                         rf"at most {MAX_STOP_IDS} are supported, so give at most "
+                                         rf"{MAX_STOP_IDS - 2} stop ids besides them"):
+        stop_ids(given, eos, 1000)
+
+
+def test_the_package_lists_its_lazy_names():
+    import spec_graph
+
+    assert {"SpecDecoder", "SpecGraphConfig", "export_pair", "__version__"} <= set(dir(spec_graph))
