@@ -218,7 +218,8 @@ def check_device(device) -> None:
     from . import platform
 
     if kind == "npu" and not platform._npu_available():
-        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use device 'cpu' (--device cpu)")
+        raise ValueError("device 'npu' was asked for but torch_npu finds no NPU; use device 'cpu' "
+                         "(device='cpu' in Python, --device cpu on the command line)")
     try:
         torch.device(device)
     except (RuntimeError, ValueError, TypeError):

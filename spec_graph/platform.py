@@ -194,7 +194,8 @@ def get(device: str | torch.device | None = None) -> Platform:
     check_device(device)
     kind = torch.device(device).type
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device 'cpu' (--device cpu)")
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device 'cpu' "
+                         "(device='cpu' in Python, --device cpu on the command line)")
     return Platform(kind)
 
 

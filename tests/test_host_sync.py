@@ -692,3 +692,23 @@ def test_the_split_warnings_stay_importable_from_host_sync():
     assert moved is reset_split_warnings and host_sync.warn_if_split is graph_split.warn_if_split
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         host_sync.nothing  # noqa: B018
+
+
+def masked(x):
+    return x[x > 0.5] * 2
+
+
+def sliced_by_a_tensor(x, n):
+    return x[: n.max() + 1] * 2
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_mask_indexing_and_a_slice_bound_from_a_tensor_are_named_apart(broken, monkeypatch):
+    """Both give a result whose size only the data decides; the finding says which (a slice bound read from a
+    tensor is no mask). Control: every such index named mask indexing, as it was."""
+    if broken:
+        monkeypatch.setattr(host_sync, "_index_kind", lambda node: "mask indexing")
+    ops = [f.op for f in spec_graph.check(masked, torch.rand(8)).findings]
+    assert ops == ["mask indexing"], ops
+    ops = [f.op for f in spec_graph.check(sliced_by_a_tensor, torch.rand(8), torch.tensor([2, 5])).findings]
+    assert ("data-dependent slicing" in ops) != broken and ("mask indexing" in ops) == broken, ops

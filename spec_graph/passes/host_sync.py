@@ -358,12 +358,25 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
         if new:
             out = _value(node)
             if _holds_tensors(out):
-                op = "mask indexing" if name in ("getitem", "index", "__getitem__") else name
-                if name in _DYNAMIC_SHAPE_OPS or op == "mask indexing":
+                op = _index_kind(node) if name in ("getitem", "index", "__getitem__") else name
+                if name in _DYNAMIC_SHAPE_OPS or op.endswith("indexing") or op.endswith("slicing"):
                     return op, _DETAIL["nonzero"]
                 return op, _DETAIL["data-dependent shape"]
             return name, _DETAIL["host read"]
     return None
+
+
+def _index_kind(node) -> str:
+    """How an indexing node's result came to have a size only the data decides: a boolean mask among its indices,
+    or a slice bound read from a tensor."""
+    index = node.args[1:] if len(node.args) > 1 else ()
+    leaves = torch.utils._pytree.tree_leaves(list(index), is_leaf=lambda x: isinstance(x, slice))
+    if any(isinstance(_value(a), torch.Tensor) and _value(a).dtype == torch.bool
+           for a in leaves if isinstance(a, torch.fx.Node)):
+        return "mask indexing"
+    if any(isinstance(a, slice) for a in leaves):
+        return "data-dependent slicing"
+    return "mask indexing"
 
 
 def _holds_tensors(out) -> bool:
