@@ -95,8 +95,9 @@ def check(op: str, problem: str | None) -> None:
 
 def linear_problem(x, w, b=None, norm_w=None, residual=None, even_out: bool = False) -> str | None:
     """The fused decode linears: x [..., K] floating, w [N, K] of x's dtype (N even where the op splits it in two),
-    b [N] and norm_w [K] where given, residual of the output's shape [..., N] where given."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.dtype.is_floating_point:
+    b [N] and norm_w [K] where given, residual of the output's shape [..., N] where given. (Eager forwards call
+    these ops per layer: the checks stay a few attribute reads.)"""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
         return f"x must be a floating tensor [..., K]; got {_got(x)}"
     K = x.shape[-1]
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != K:
@@ -104,8 +105,17 @@ def linear_problem(x, w, b=None, norm_w=None, residual=None, even_out: bool = Fa
     N = w.shape[0]
     if even_out and N % 2:
         return f"w must have an even number of rows (gate and up halves); got {N}"
-    for name, t, shape in (("b", b, (N,)), ("norm_w", norm_w, (K,)), ("residual", residual, (*x.shape[:-1], N))):
-        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype.is_floating_point
-                                  and tuple(t.shape) == tuple(shape)):
-            return f"{name} must be None or floating {list(shape)}; got {_got(t)}"
-    return _devices(x, w, b, norm_w, residual)
+    for name, t in (("b", b), ("norm_w", norm_w), ("residual", residual)):
+        if t is None:
+            continue
+        if name == "residual":
+            ok = (isinstance(t, torch.Tensor) and t.dim() == x.dim() and t.shape[-1] == N
+                  and t.shape[:-1] == x.shape[:-1])
+        else:
+            ok = isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == (N if name == "b" else K)
+        if not ok or not t.is_floating_point():
+            want = [*x.shape[:-1], N] if name == "residual" else [N if name == "b" else K]
+            return f"{name} must be None or floating {want}; got {_got(t)}"
+        if t.device != x.device:
+            return _devices(x, t)
+    return None if w.device == x.device else _devices(x, w)
