@@ -1,4 +1,5 @@
-"""What the sampling-side ops take: each op refuses other inputs with one ValueError naming the argument, and the
+"""What the sampling-side ops and the decode linears take (the attention ops check theirs in
+``attention.attention_shapes``): each op refuses other inputs with one ValueError naming the argument, and the
 fusion passes rewrite a graph into an op only where its inputs meet the same contract (else they leave it be).
 
 Shape and dtype checks only: they read no values, so they cost a captured or compiled step nothing.
@@ -36,6 +37,12 @@ def _devices(*ts) -> str | None:
     return None if len(devs) <= 1 else f"every input must be on one device; got {sorted(map(str, devs))}"
 
 
+def _drafts_problem(d) -> str | None:
+    if not isinstance(d, torch.Tensor) or d.dim() != 2 or d.dtype != I64 or d.shape[1] < 1:
+        return f"draft_token_ids must be int64 [B, K] with K >= 1; got {_got(d)}"
+    return None
+
+
 def state_problem(active, tail, seq_lens, n_out, max_new, stop_ids, out_buf, B) -> str | None:
     """The per-row state both prep ops take, for a batch of B rows."""
     if not isinstance(stop_ids, torch.Tensor) or stop_ids.dim() != 1 or stop_ids.dtype != I64:
@@ -55,8 +62,8 @@ def greedy_accept_problem(draft_token_ids, target_argmax, active, tail, seq_lens
     """spec_graph::greedy_accept_prepare: draft_token_ids int64 [B, K] (K >= 1), target_argmax int64 [B, K+1], then
     the state (``state_problem``)."""
     d = draft_token_ids
-    if not isinstance(d, torch.Tensor) or d.dim() != 2 or d.dtype != I64 or d.shape[1] < 1:
-        return f"draft_token_ids must be int64 [B, K] with K >= 1; got {_got(d)}"
+    if (wrong := _drafts_problem(d)) is not None:
+        return wrong
     B, K = d.shape
     return (_first_wrong((("target_argmax", target_argmax, I64, (B, K + 1)),))
             or state_problem(active, tail, seq_lens, n_out, max_new, stop_ids, out_buf, B)
@@ -75,8 +82,8 @@ def verifier_problem(draft_token_ids, draft_probs, target_probs, seeds, steps, a
     """spec_graph::rejection_sample and spec_graph::block_verify: draft_token_ids int64 [B, K] (K >= 1), draft_probs
     float32 [B, K, V], target_probs float32 [B, K+1, V], seeds and steps int64 [B], active bool [B]."""
     d, q = draft_token_ids, draft_probs
-    if not isinstance(d, torch.Tensor) or d.dim() != 2 or d.dtype != I64 or d.shape[1] < 1:
-        return f"draft_token_ids must be int64 [B, K] with K >= 1; got {_got(d)}"
+    if (wrong := _drafts_problem(d)) is not None:
+        return wrong
     B, K = d.shape
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] < 1:
         return f"draft_probs must be float32 [{B}, {K}, V]; got {_got(q)}"
@@ -105,17 +112,12 @@ def linear_problem(x, w, b=None, norm_w=None, residual=None, even_out: bool = Fa
     N = w.shape[0]
     if even_out and N % 2:
         return f"w must have an even number of rows (gate and up halves); got {N}"
-    for name, t in (("b", b), ("norm_w", norm_w), ("residual", residual)):
-        if t is None:
-            continue
-        if name == "residual":
-            ok = (isinstance(t, torch.Tensor) and t.dim() == x.dim() and t.shape[-1] == N
-                  and t.shape[:-1] == x.shape[:-1])
-        else:
-            ok = isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == (N if name == "b" else K)
-        if not ok or not t.is_floating_point():
-            want = [*x.shape[:-1], N] if name == "residual" else [N if name == "b" else K]
-            return f"{name} must be None or floating {want}; got {_got(t)}"
-        if t.device != x.device:
-            return _devices(x, t)
-    return None if w.device == x.device else _devices(x, w)
+    for name, t, n in (("b", b, N), ("norm_w", norm_w, K)):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 1
+                                  and t.shape[0] == n):
+            return f"{name} must be None or floating [{n}]; got {_got(t)}"
+    r = residual
+    if r is not None and not (isinstance(r, torch.Tensor) and r.is_floating_point() and r.dim() == x.dim()
+                              and r.shape[-1] == N and r.shape[:-1] == x.shape[:-1]):
+        return f"residual must be None or floating {[*x.shape[:-1], N]}; got {_got(r)}"
+    return _devices(x, w, b, norm_w, residual)

@@ -113,9 +113,10 @@ class Attention(nn.Module):
         return (self.fused_decode and isinstance(T, int) and self.n_heads // self.n_kv * T <= DECODE_ATTENTION_ROWS
                 and platform.use_triton(device))
 
-    def _mask(self, kpos, positions) -> torch.Tensor:
-        """[B, T, L]: the keys at ``kpos`` each query at ``positions`` [B, T] sees (its own and earlier ones, within
-        the sliding window where the model has one)."""
+    def _mask(self, L, positions) -> torch.Tensor:
+        """[B, T, L]: the keys 0..L-1 each query at ``positions`` [B, T] sees (its own and earlier ones, within the
+        sliding window where the model has one)."""
+        kpos = torch.arange(L, device=positions.device)
         mask = kpos[None, None, :] <= positions[:, :, None]
         if self.window:
             mask = mask & (kpos[None, None, :] > positions[:, :, None] - self.window)
@@ -152,7 +153,6 @@ class Attention(nn.Module):
         keys, values = (kc[:B], vc[:B]) if slots is None else (kc[slots], vc[slots])  # [B, Hkv, L, D]
 
         L = keys.shape[2]
-        kpos = torch.arange(L, device=q.device)
         if kv_len is not None and (symbolic or T >= PREFILL_SDPA_POSITIONS):
             # a prefill (each query sees its own key; T symbolic: an export's, of any length): fused attention,
             # with memory linear in the scores' rows
@@ -163,9 +163,9 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True)
             else:
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh,
-                                                     attn_mask=self._mask(kpos, positions)[:, None])
+                                                     attn_mask=self._mask(L, positions)[:, None])
             return out.transpose(1, 2)
-        mask = self._mask(kpos, positions)
+        mask = self._mask(L, positions)
 
         # Grouped attention without repeating K/V: query heads of one KV head share a matmul.
         qg = q.view(B, T, self.n_kv, g, self.head_dim).permute(0, 2, 3, 1, 4)

@@ -358,10 +358,9 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
         if new:
             out = _value(node)
             if _holds_tensors(out):
-                op = _index_kind(node) if name in ("getitem", "index", "__getitem__") else name
-                if name in _DYNAMIC_SHAPE_OPS or op.endswith("indexing") or op.endswith("slicing"):
-                    return op, _DETAIL["nonzero"]
-                return op, _DETAIL["data-dependent shape"]
+                if name in ("getitem", "index", "__getitem__"):
+                    return _index_kind(node), _DETAIL["nonzero"]
+                return name, _DETAIL["nonzero" if name in _DYNAMIC_SHAPE_OPS else "data-dependent shape"]
             return name, _DETAIL["host read"]
     return None
 
@@ -369,8 +368,7 @@ def _classify_node(node: torch.fx.Node) -> tuple[str, str] | None:
 def _index_kind(node) -> str:
     """How an indexing node's result came to have a size only the data decides: a boolean mask among its indices,
     or a slice bound read from a tensor."""
-    index = node.args[1:] if len(node.args) > 1 else ()
-    leaves = torch.utils._pytree.tree_leaves(list(index), is_leaf=lambda x: isinstance(x, slice))
+    leaves = torch.utils._pytree.tree_leaves(list(node.args[1:]), is_leaf=lambda x: isinstance(x, slice))
     if any(isinstance(_value(a), torch.Tensor) and _value(a).dtype == torch.bool
            for a in leaves if isinstance(a, torch.fx.Node)):
         return "mask indexing"
