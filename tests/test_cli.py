@@ -135,7 +135,8 @@ def test_stop_token_ids_flag(capsys, llama_pair):
     (["generate", "--prompt-ids", "1", "--exported", str(Path(__file__).parent)], "is a directory, not a package"),
     # a flag the command lacks points to that command's help (the top level's lists only the commands)
     (["generate", "--prompt", "x", "--bogus"], "unrecognized arguments: --bogus (see spec-graph generate --help)"),
-    (["export", "-o", "never.pt2", "--prompt", "x"], "unrecognized arguments: --prompt x (see spec-graph export --help)"),
+    (["export", "-o", "never.pt2", "--prompt", "x"],
+     "unrecognized arguments: --prompt x (see spec-graph export --help)"),
     (["--bogus", "info"], "unrecognized arguments: --bogus (see spec-graph info --help)"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
