@@ -10,6 +10,8 @@ three workloads under these choosers, taking turns call by call:
   auto no-fork  the same, without choosing ahead for each outcome where one row is busy (MAX_FORK_ROWS = 0)
   replayed      the Ks auto chose in its last call, replayed with no chooser work at all
   replayed+work the same Ks, with auto's chooser work done beside them and its choices dropped
+  auto+flush    auto, with a query of the stream right after each graph launch (a driver call that may submit
+                work the driver still holds, before the chooser's host work)
   K=k           each K of --fixed at every replay, with no chooser work
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
@@ -137,7 +139,13 @@ def main():
     dec.generate([wl["stdlib"][0][:16]], 4)
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
-    names = ["auto", "auto no-fork", "replayed", "replayed+work"] + [f"K={k}" for k in fixed]
+    names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush"] + [f"K={k}" for k in fixed]
+    real_replay = sg_platform.Platform.replay
+
+    def flushed_replay(self, graph):
+        real_replay(self, graph)
+        if self.name == "cuda":
+            torch.cuda.current_stream().query()
     last_ks: dict = {}
 
     split = {"prefill": 0.0, "table": 0.0}
@@ -164,6 +172,8 @@ def main():
             sg_runtime.ChoiceAhead = Shadowed if name == "replayed+work" else Scripted
         elif name == "auto no-fork":
             ChoiceAhead.MAX_FORK_ROWS = 0
+        elif name == "auto+flush":
+            sg_platform.Platform.replay = flushed_replay
         try:
             plat.synchronize()
             t = time.perf_counter()
@@ -171,6 +181,7 @@ def main():
             wall = time.perf_counter() - t
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
+            sg_platform.Platform.replay = real_replay
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)
