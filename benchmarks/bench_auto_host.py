@@ -126,6 +126,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
+                         "auto and of the first --fixed K on the stdlib workload")
     a = ap.parse_args()
     fixed = [int(x) for x in a.fixed.split(",") if x]
     B = a.batch_size
@@ -231,6 +234,16 @@ def main():
             sg_runtime.ChoiceAhead = real
         print("- auto's chooser, host us per replay: " + ", ".join(
             f"{k} {1e6 * Timed.spent[k] / max(n, 1):.1f} ({n} replays)" for k, n in sorted(Timed.replays.items())))
+    if a.profile:
+        import cProfile
+        import pstats
+        for name in ("auto", f"K={fixed[0]}" if fixed else "replayed"):
+            prof = cProfile.Profile()
+            prof.enable()
+            wall, _, _ = call(name, "stdlib")
+            prof.disable()
+            print(f"\n- host profile, {name}, stdlib (one call, {1e3 * wall:.2f} ms under the profiler):")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(a.profile)
 
 
 if __name__ == "__main__":
