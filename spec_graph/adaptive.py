@@ -29,7 +29,7 @@ and so the tokens, repeat.
 """
 from __future__ import annotations
 
-import copy
+import functools
 
 import torch
 
@@ -103,6 +103,14 @@ def _decayed_add(reached: list[float], accepted: list[float], new: list[int], de
         accepted[j] = keep * accepted[j] + new[n + j]
 
 
+@functools.lru_cache(maxsize=None)
+def _step_counts(n: int, k: int, accepted: int) -> tuple[int, ...]:
+    """The counts ``count_acceptance`` adds for one row-step of ``k`` drafts with ``accepted`` of them accepted,
+    over ``n`` positions: ``[reached..., accepted...]``."""
+    return (tuple(int(j < k and accepted >= j) for j in range(n))
+            + tuple(int(j < k and accepted > j) for j in range(n)))
+
+
 def _smoothed(reached: list[float], accepted: list[float], prior: list[float], weight: float) -> list[float]:
     return [(a + weight * p) / (r + weight) for r, a, p in zip(reached, accepted, prior)]
 
@@ -159,12 +167,14 @@ class KChooser:
         """A copy that has also observed row ``row`` take one step of ``k`` drafts and accept ``accepted`` of them:
         the counts ``count_acceptance`` adds on the device, on top of the last observed."""
         n = self.kmax
-        new = [int(j < k and accepted >= j) for j in range(n)] + [int(j < k and accepted > j) for j in range(n)]
+        new = _step_counts(n, k, accepted)
         base = 2 * n * row
-        fork = copy.copy(self)
+        fork = object.__new__(type(self))  # copy.copy's result, at a third of its cost (forks are made per replay)
+        fork.__dict__.update(self.__dict__)
         fork.reached, fork.accepted, fork.rows = list(self.reached), list(self.accepted), dict(self.rows)
-        fork._last = self._last + [0] * (base + 2 * n - len(self._last))
-        fork._last[base:base + 2 * n] = [c + d for c, d in zip(fork._last[base:base + 2 * n], new)]
+        last = self._last + [0] * (base + 2 * n - len(self._last))
+        last[base:base + 2 * n] = [c + d for c, d in zip(last[base:base + 2 * n], new)]
+        fork._last = last
         # what observe(the counts) would do: every other row's counts are unchanged, so this row's are the sums'
         _decayed_add(fork.reached, fork.accepted, new, self.decay)
         if new[0]:
