@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .adaptive import ChoiceAhead, KChooser
-from .admission import admits_now
+from .admission import admits_now, prefill_groups
 from .capture import GraphSet
 from .config import (CEILING_FIELDS, CEILING_MIN, FIXED_FIELDS, SPELLED_FIELDS, WINDOW_SOURCE, SpecGraphConfig,
                      check_window, checked_buckets, checked_steps_per_graph, is_int, spelled)
@@ -511,7 +511,6 @@ class DecoderBase(StepTimes):
             if admits_now(len(free), len(pending), S - len(free), idle, wait):
                 admit = [(s, pending.popleft()) for s in free[: len(pending)]]
                 idle = 0
-                slots = [s for s, _ in admit]
                 for s, r in admit:
                     owner[s] = r
                     live[s] = len(encoded[r]) + 1
@@ -521,10 +520,13 @@ class DecoderBase(StepTimes):
                 # prefill leaves that choice a replay stale, as a row that ends in a replay does)
                 pick = (lambda: chooser.pick({s: live[s] for s in range(S) if owner[s] is not None})) \
                     if chooser else None
-                act = self._prefill(slots, [encoded[r] for _, r in admit], [max_new_tokens] * len(admit),
-                                    [req_seeds[r] for _, r in admit], params, pick)
-                prefills += 1
-                finish([s for s, a in zip(slots, act) if not a])
+                groups = prefill_groups([len(encoded[r]) for _, r in admit])  # prompts of like length together
+                for g, group in enumerate(groups):
+                    slots, reqs = [admit[i][0] for i in group], [admit[i][1] for i in group]
+                    act = self._prefill(slots, [encoded[r] for r in reqs], [max_new_tokens] * len(reqs),
+                                        [req_seeds[r] for r in reqs], params, pick if g == len(groups) - 1 else None)
+                    prefills += 1
+                    finish([s for s, a in zip(slots, act) if not a])
             busy = [s for s in range(S) if owner[s] is not None]
             if not busy:
                 if progress is not None:

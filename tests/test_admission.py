@@ -181,3 +181,71 @@ def test_a_wrong_idle_count_is_caught(llama_pair, references, monkeypatch, how):
     _Broken(how)(monkeypatch)
     with pytest.raises(AssertionError):
         check_idle_counts_slot_steps(llama_pair, monkeypatch, PROMPTS, references)
+
+
+def check_groups(groups_of):
+    """Each prompt in exactly one forward, in admission order; a long prompt beside short ones alone; prompts of
+    like length, and short prompts whatever their lengths, in one forward; a forward within its positions."""
+    from spec_graph import admission
+
+    cases = [[16000] + [50] * 7, [128] * 8, [400] + [100] * 7, [20, 40, 80, 160], [32000] * 8,
+             [9000, 8000, 5000, 100, 3000], [7], []]
+    for lens in cases:
+        groups = groups_of(lens)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens))), (lens, groups)
+        assert all(g == sorted(g) and g for g in groups), groups
+        for g in groups:
+            padded = len(g) * max(lens[i] for i in g)
+            assert len(g) == 1 or padded <= admission.PREFILL_MAX_POSITIONS, (lens, groups)
+    assert groups_of(cases[0]) == [[0], list(range(1, 8))]
+    for lens in cases[1:4]:
+        assert groups_of(lens) == [list(range(len(lens)))], lens
+    assert groups_of([32000] * 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups_of([9000, 8000, 5000, 100, 3000]) == [[0, 1, 2], [3, 4]]
+
+
+def test_prefill_groups_split_where_padding_costs():
+    from spec_graph.admission import prefill_groups
+
+    check_groups(prefill_groups)
+
+
+@pytest.mark.parametrize("broken", ["one forward", "one per prompt", "unordered"])
+def test_prefill_groups_checks_catch_a_broken_grouping(broken):
+    from spec_graph.admission import prefill_groups
+
+    bad = {"one forward": lambda lens: [list(range(len(lens)))] if lens else [],
+           "one per prompt": lambda lens: [[i] for i in range(len(lens))],
+           "unordered": lambda lens: [g[::-1] for g in prefill_groups(lens)]}[broken]
+    with pytest.raises(AssertionError):
+        check_groups(bad)
+
+
+# One long prompt and three short ones, with the padding a forward may add set low: the long one is prefilled alone
+MIXED = [list(range(3, 63)), [40, 41], [7, 8, 9], [90]]
+
+
+def check_mixed_lengths_split(pair, monkeypatch, groups_of=None):
+    import spec_graph.admission as admission
+
+    monkeypatch.setattr(admission, "PAD_SLACK", 8)
+    if groups_of is not None:
+        monkeypatch.setattr(runtime_mod, "prefill_groups", groups_of)
+    shapes, real = [], runtime_mod.DecoderBase._prefill
+    monkeypatch.setattr(runtime_mod.DecoderBase, "_prefill",
+                        lambda self, slots, prompts, *a: shapes.append((len(slots), max(map(len, prompts))))
+                        or real(self, slots, prompts, *a))
+    dec = decoder(pair, 0, max_len=128)
+    out = dec.generate(MIXED, NEW)
+    assert [r.token_ids for r in out] == [hf_greedy(pair[0], p, NEW) for p in MIXED]
+    assert out.stats.prefills == len(shapes)
+    assert sorted(shapes) == [(1, 60), (3, 3)], shapes  # 60 + 3 x 3 positions, not 4 x 60
+
+
+def test_an_admission_of_mixed_lengths_prefills_them_apart(llama_pair, monkeypatch):
+    check_mixed_lengths_split(llama_pair, monkeypatch)
+
+
+def test_an_admission_padded_to_its_longest_is_caught(llama_pair, monkeypatch):
+    with pytest.raises(AssertionError):
+        check_mixed_lengths_split(llama_pair, monkeypatch, lambda lens: [list(range(len(lens)))])
