@@ -13,6 +13,8 @@ three workloads under these choosers, taking turns call by call:
   auto+flush    auto, with a query of the stream right after each graph launch (a driver call that may submit
                 work the driver still holds, before the chooser's host work)
   K=k           each K of --fixed at every replay, with no chooser work
+  K=k sync      the first K of --fixed, each finished row's results read at once (a host sync before the next
+                launch) in place of while the next launch runs
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
@@ -143,6 +145,8 @@ def main():
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
     names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush"] + [f"K={k}" for k in fixed]
+    names += [f"K={fixed[0]} sync"] if fixed else []
+    real_to_host = sg_platform.Platform.to_host
     real_replay = sg_platform.Platform.replay
 
     def flushed_replay(self, graph):
@@ -171,7 +175,9 @@ def main():
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         split.update(prefill=0.0, table=0.0)
         if name.startswith("K=") or name.startswith("replayed"):
-            Scripted.script = int(name[2:]) if name.startswith("K=") else last_ks[w]
+            Scripted.script = int(name[2:].split()[0]) if name.startswith("K=") else last_ks[w]
+            if name.endswith(" sync"):
+                sg_platform.Platform.to_host = lambda self, t: (t.cpu(), lambda: None)
             sg_runtime.ChoiceAhead = Shadowed if name == "replayed+work" else Scripted
         elif name == "auto no-fork":
             ChoiceAhead.MAX_FORK_ROWS = 0
@@ -184,7 +190,7 @@ def main():
             wall = time.perf_counter() - t
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
-            sg_platform.Platform.replay = real_replay
+            sg_platform.Platform.replay, sg_platform.Platform.to_host = real_replay, real_to_host
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)

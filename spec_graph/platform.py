@@ -69,6 +69,17 @@ class Platform:
         if self._mod is not None:
             self._mod.synchronize()
 
+    def to_host(self, t: torch.Tensor):
+        """``(host, wait)``: a copy of device tensor ``t`` on the host, started now, and what waits for it to end,
+        so that the host reads it without holding up the device's later work. (On CPU: ``t`` itself.)"""
+        if self._mod is None:
+            return t, lambda: None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = self._mod.Event()
+        done.record()
+        return host, done.synchronize
+
     def free_memory(self) -> int:
         """Free bytes on this device (available host memory on CPU)."""
         if self._mod is None:

@@ -472,7 +472,11 @@ class DecoderBase(StepTimes):
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
+        later: list = []  # finished rows on their way to the host: (slots, requests, their Ks, copy, wait)
+
         def finish(slots: list[int]) -> None:
+            """Frees `slots` at once; their results are gathered now (later work that reuses a slot comes after in
+            stream order) and copied to the host while the device goes on, for ``collect`` after the next launch."""
             if not slots:
                 return
             idx = torch.tensor(slots, device=self.device)
@@ -481,26 +485,38 @@ class DecoderBase(StepTimes):
             # commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
             L = min(max_new_tokens, self.out_buf.shape[1])
             rows = torch.cat((torch.stack((st["n_out"][idx], st["error"][idx].long(), st["steps"][idx]), 1),
-                              self.out_buf[idx, :L], self.acc_log[idx, :L]), 1).tolist()
-            n_out, err, nsteps = ([r[i] for r in rows] for i in range(3))
-            outs, accs = [r[3: 3 + L] for r in rows], [r[3 + L:] for r in rows]
-            for j, s in enumerate(slots):
-                r = owner[s]
-                toks = outs[j][: n_out[j]]
-                if err[j]:
-                    reason = "error"
-                elif toks and toks[-1] in stop_set:
-                    reason = "stop"
-                else:
-                    reason = "length"
-                n = nsteps[j] - 1
-                results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r], accs[j][:n], slot_ks[s][:n])
+                              self.out_buf[idx, :L], self.acc_log[idx, :L]), 1)
+            later.append((slots, [owner[s] for s in slots], [slot_ks[s] for s in slots],
+                          *self.platform.to_host(rows)))
+            for s in slots:
                 owner[s] = None
                 slot_ks[s] = []
+
+        def collect() -> None:
+            """The results of the rows ``finish`` freed, read where the host would wait anyway (their copy ended
+            before the launch this follows)."""
+            for slots, reqs, ks, host, wait in later:
+                wait()
+                rows = host.tolist()
+                L = (len(rows[0]) - 3) // 2
+                for j, r in enumerate(reqs):
+                    n_out, err, nsteps = rows[j][:3]
+                    toks = rows[j][3: 3 + n_out]
+                    if err:
+                        reason = "error"
+                    elif toks and toks[-1] in stop_set:
+                        reason = "stop"
+                    else:
+                        reason = "length"
+                    n = nsteps - 1
+                    results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r],
+                                                  rows[j][3 + L: 3 + L + n], ks[j][:n])
+            later.clear()
 
         total = len(encoded) * max_new_tokens
 
         def report() -> None:  # tokens committed so far: finished requests' plus the busy slots' counts
+            collect()
             n_out = self.state["n_out"][:S].tolist()
             done = sum(len(r.token_ids) for r in results if r is not None)
             progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
@@ -535,6 +551,7 @@ class DecoderBase(StepTimes):
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
             packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
+            collect()  # while the replay runs
             steps += N
             if pending:
                 idle += (S - len(busy)) * N
@@ -559,6 +576,7 @@ class DecoderBase(StepTimes):
             if progress is not None:
                 report()
 
+        collect()
         return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0, k_per_step))
 
     def _decode(self, ids: list[int]) -> str:
