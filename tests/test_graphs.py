@@ -133,6 +133,40 @@ def test_captured_through_platform_seam(llama_pair, eager_tokens):
     assert set(dec.graphs.graphs) == {(True, 1, 3), (True, 2, 3), (True, 4, 3)}
 
 
+def check_results_read_behind_a_launch(pair, eager_tokens, at_once: bool):
+    """Where rows finish, their results start to the host at once and are read only after the next launch (the
+    host waits there anyway), so no read holds up that launch: each "copy" has a "replay" before its "wait",
+    unless no launch follows it (the call's last rows)."""
+    class Reading(FakePlatform):
+        def to_host(self, t):
+            self.events.append("copy")
+            if at_once:  # a read before the next launch: the device idles while the host reads, builds results
+                self.events.append("wait")
+                return t, lambda: None
+            return t, lambda: self.events.append("wait")
+
+    plat = Reading("cpu", [])
+    dec = engine(pair, plat=plat, compile_step=False, enable_graph=True, max_batch_size=2, batch_buckets=(1, 2))
+    out = dec.generate(PROMPTS, 20)
+    assert [r.token_ids for r in out] == eager_tokens
+    assert_every_count(out, 3)
+    ev = [e for e in plat.events if e in ("copy", "wait", "replay")]
+    copies = [i for i, e in enumerate(ev) if e == "copy"]
+    assert len(copies) >= 3, ev  # rows finished apart: reads mid-call to check
+    for i in copies:
+        j = ev.index("wait", i)
+        assert "replay" in ev[i:j] or "replay" not in ev[j:], (i, ev)
+
+
+def test_finished_rows_are_read_behind_the_next_launch(llama_pair, eager_tokens):
+    check_results_read_behind_a_launch(llama_pair, eager_tokens, at_once=False)
+
+
+def test_a_read_before_the_next_launch_is_caught(llama_pair, eager_tokens):
+    with pytest.raises(AssertionError):
+        check_results_read_behind_a_launch(llama_pair, eager_tokens, at_once=True)
+
+
 @pytest.mark.parametrize("n", [3, 8])
 def test_multi_step_equals_single_step(llama_pair, eager_tokens, n):
     plat = fake_platform()
