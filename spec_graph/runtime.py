@@ -472,7 +472,9 @@ class DecoderBase(StepTimes):
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
-        later: list = []  # finished rows on their way to the host: (slots, requests, their Ks, copy, wait)
+        later: list = []  # finished rows on their way to the host: (their requests, their Ks, copy, wait)
+        # a request commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
+        L = min(max_new_tokens, self.out_buf.shape[1])
 
         def finish(slots: list[int]) -> None:
             """Frees `slots` at once; their results are gathered now (later work that reuses a slot comes after in
@@ -481,13 +483,10 @@ class DecoderBase(StepTimes):
                 return
             idx = torch.tensor(slots, device=self.device)
             st = self.state
-            # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot; a request
-            # commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
-            L = min(max_new_tokens, self.out_buf.shape[1])
+            # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot
             rows = torch.cat((torch.stack((st["n_out"][idx], st["error"][idx].long(), st["steps"][idx]), 1),
                               self.out_buf[idx, :L], self.acc_log[idx, :L]), 1)
-            later.append((slots, [owner[s] for s in slots], [slot_ks[s] for s in slots],
-                          *self.platform.to_host(rows)))
+            later.append(([owner[s] for s in slots], [slot_ks[s] for s in slots], *self.platform.to_host(rows)))
             for s in slots:
                 owner[s] = None
                 slot_ks[s] = []
@@ -495,10 +494,9 @@ class DecoderBase(StepTimes):
         def collect() -> None:
             """The results of the rows ``finish`` freed, read where the host would wait anyway (their copy ended
             before the launch this follows)."""
-            for slots, reqs, ks, host, wait in later:
+            for reqs, ks, host, wait in later:
                 wait()
                 rows = host.tolist()
-                L = (len(rows[0]) - 3) // 2
                 for j, r in enumerate(reqs):
                     n_out, err, nsteps = rows[j][:3]
                     toks = rows[j][3: 3 + n_out]
