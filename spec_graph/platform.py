@@ -43,6 +43,10 @@ def _host_available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if avail is None else avail
 
 
+def _no_wait() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Platform:
     name: str  # "cuda" | "npu" | "cpu"
@@ -70,15 +74,11 @@ class Platform:
             self._mod.synchronize()
 
     def to_host(self, t: torch.Tensor):
-        """``(host, wait)``: a copy of device tensor ``t`` on the host, started now, and what waits for it to end,
-        so that the host reads it without holding up the device's later work. (On CPU: ``t`` itself.)"""
-        if self._mod is None:
-            return t, lambda: None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = self._mod.Event()
-        done.record()
-        return host, done.synchronize
+        """``(host, wait)``: ``t`` on the host and what waits for its copy to end, which the engine calls only
+        after its next launch. The copy is a blocking one: the engine asks right after a read, with the device
+        idle, and at B=8 a fresh pinned buffer, an async copy and an event cost the host more than the blocking
+        copy of those few rows (0.3-0.5 ms a 16-request call on an H100)."""
+        return t.cpu(), _no_wait
 
     def free_memory(self) -> int:
         """Free bytes on this device (available host memory on CPU)."""

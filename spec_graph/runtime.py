@@ -477,8 +477,8 @@ class DecoderBase(StepTimes):
         L = min(max_new_tokens, self.out_buf.shape[1])
 
         def finish(slots: list[int]) -> None:
-            """Frees `slots` at once; their results are gathered now (later work that reuses a slot comes after in
-            stream order) and copied to the host while the device goes on, for ``collect`` after the next launch."""
+            """Frees `slots` at once; their results are gathered and copied to the host now (later work that reuses a
+            slot comes after in stream order), and built into results by ``collect`` after the next launch."""
             if not slots:
                 return
             idx = torch.tensor(slots, device=self.device)
@@ -492,8 +492,8 @@ class DecoderBase(StepTimes):
                 slot_ks[s] = []
 
         def collect() -> None:
-            """The results of the rows ``finish`` freed, read where the host would wait anyway (their copy ended
-            before the launch this follows)."""
+            """The results of the rows ``finish`` freed, built (their tokens decoded) where the host would wait for
+            the replay anyway."""
             for reqs, ks, host, wait in later:
                 wait()
                 rows = host.tolist()
