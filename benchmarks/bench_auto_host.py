@@ -1,7 +1,7 @@
 """Where adaptive K's call time goes at one batch bucket: the chooser's host work, or the Ks it chose.
 
     python benchmarks/bench_auto_host.py [--batch-size 8] [--prompts 16] [--max-k 8] [--fixed 1,4]
-        [--rounds 21] [--device cuda]
+        [--rounds 21] [--device cuda] [--auto-set NAME=VALUE ...]
 
 One auto engine (the embedded pair, bf16 on CUDA, max_len 512, the one bucket B, greedy) runs bench_adaptive's
 three workloads under these choosers, taking turns call by call:
@@ -12,6 +12,7 @@ three workloads under these choosers, taking turns call by call:
   replayed+work the same Ks, with auto's chooser work done beside them and its choices dropped
   auto+flush    auto, with a query of the stream right after each graph launch (a driver call that may submit
                 work the driver still holds, before the chooser's host work)
+  auto N=V      auto with spec_graph.adaptive's setting N at V (--auto-set N=V)
   K=k           each K of --fixed at every replay, with no chooser work
   K=k async     the first K of --fixed, each finished row's results copied to a fresh pinned buffer with an event
                 and waited for after the next launch, in place of the engine's blocking copy before it
@@ -30,6 +31,7 @@ methods timed, its host microseconds per replay, apart for replays with one busy
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import gc
 import statistics
@@ -42,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from bench_adaptive import MAX_LEN, WORKLOADS, workloads  # noqa: E402
-from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
+from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
 from spec_graph.adaptive import ChoiceAhead  # noqa: E402
@@ -128,10 +130,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--auto-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="one more chooser, 'auto NAME=VALUE': auto with spec_graph.adaptive's setting NAME at "
+                         "VALUE (a Python literal); repeatable")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
     a = ap.parse_args()
+    variants = {}
+    for item in a.auto_set:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isupper() or not hasattr(adaptive, name):
+            ap.error(f"--auto-set {item!r}: NAME=VALUE with NAME one of spec_graph.adaptive's upper-case settings")
+        try:
+            variants[f"auto {name}={value}"] = (name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            ap.error(f"--auto-set {item!r}: VALUE must be a Python literal")
     fixed = [int(x) for x in a.fixed.split(",") if x]
     B = a.batch_size
     cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=a.max_k, max_batch_size=B,
@@ -144,7 +158,8 @@ def main():
     dec.generate([wl["stdlib"][0][:16]], 4)
     print(f"compile + capture: {time.perf_counter() - t0:.1f} s", flush=True)
     real = sg_runtime.ChoiceAhead
-    names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush"] + [f"K={k}" for k in fixed]
+    names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush", *variants]
+    names += [f"K={k}" for k in fixed]
     names += [f"K={fixed[0]} async"] if fixed else []
     real_to_host = sg_platform.Platform.to_host
     real_replay = sg_platform.Platform.replay
@@ -192,6 +207,10 @@ def main():
             ChoiceAhead.MAX_FORK_ROWS = 0
         elif name == "auto+flush":
             sg_platform.Platform.replay = flushed_replay
+        setting = variants.get(name)
+        saved = getattr(adaptive, setting[0]) if setting else None
+        if setting:
+            setattr(adaptive, *setting)
         try:
             plat.synchronize()
             t = time.perf_counter()
@@ -200,6 +219,8 @@ def main():
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
             sg_platform.Platform.replay, sg_platform.Platform.to_host = real_replay, real_to_host
+            if setting:
+                setattr(adaptive, setting[0], saved)
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)
