@@ -17,7 +17,7 @@ from . import platform as _platform
 from .capture import CapturedFunction
 from .config import check_device
 from .passes.graph_split import warn_if_split
-from .passes.host_sync import HostSyncError, _target_name, find_host_reads
+from .passes.host_reads import HostSyncError, _target_name, find_host_reads
 from .passes.manager import PassManager, check_enabled
 
 BACKEND_NAME = "spec_graph"

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import spec_graph
 from spec_graph import backend as sg_backend
+from spec_graph.passes import host_reads as fx_reads
 from spec_graph.passes import host_sync
 from spec_graph.passes import graph_split
 from spec_graph.passes.graph_split import reset_split_warnings
@@ -282,8 +283,8 @@ def test_breaks_dynamo_leaves_out_of_explain_are_found_at_the_users_line(fn, bro
     with Python's library taken for user code, and with histc's range unread, each is missed or misplaced."""
     if broken:
         monkeypatch.setattr(host_sync, "_logged_breaks", lambda messages: [])
-        monkeypatch.setattr(host_sync, "_STDLIB_DIR", "/nonexistent/")
-        monkeypatch.setattr(host_sync, "_histc_range", lambda node: None)
+        monkeypatch.setattr(fx_reads, "_STDLIB_DIR", "/nonexistent/")
+        monkeypatch.setattr(fx_reads, "_histc_range", lambda node: None)
     report = spec_graph.check(fn, torch.rand(8))
     got = {(f.op, f.line) for f in report.findings if os.path.abspath(f.file) == HERE}
     assert (got == expected(fn) and len(report.findings) == len(got)) != broken, report.findings
@@ -316,7 +317,7 @@ def test_one_argument_where_is_a_data_dependent_shape(broken, monkeypatch):
     """``torch.where(cond)`` returns a tuple of index tensors whose length the data sets: named where, as a shape
     the host must read. Control: a tuple taken for a Python value, it reads as one."""
     if broken:
-        monkeypatch.setattr(host_sync, "_holds_tensors", lambda out: isinstance(out, torch.Tensor))
+        monkeypatch.setattr(fx_reads, "_holds_tensors", lambda out: isinstance(out, torch.Tensor))
     report = spec_graph.check(where_indices, torch.rand(8))
     assert located(report.findings) == expected(where_indices)
     assert ("output shape depends on tensor values" in report.findings[0].detail) != broken, report.findings
@@ -327,7 +328,7 @@ def test_a_device_synchronize_in_the_graph_is_found(broken, monkeypatch):
     """``torch.cuda.synchronize()`` enters Dynamo's graph as an op (it would stall the stream and break a capture).
     Control: with the host-wait ops unknown, the graph passes."""
     if broken:
-        monkeypatch.setattr(host_sync, "_HOST_WAIT_OPS", set())
+        monkeypatch.setattr(fx_reads, "_HOST_WAIT_OPS", set())
     try:
         synchronize = torch.ops.streams.synchronize_device
     except (AttributeError, RuntimeError):
@@ -351,7 +352,7 @@ def test_a_view_as_in_user_code_is_not_a_numpy_read(broken, monkeypatch):
     import spec_graph.passes.host_sync as host_sync
 
     if broken:
-        monkeypatch.setattr(host_sync, "_written_as_view_as", lambda node: False)
+        monkeypatch.setattr(fx_reads, "_written_as_view_as", lambda node: False)
     report = spec_graph.check(view_as_itself, torch.ones(3))
     assert (report.findings == []) != broken, report.findings
     assert located(spec_graph.check(more_copies, torch.ones(3)).findings) == expected(more_copies)
@@ -673,7 +674,7 @@ def test_a_python_float_argument_is_not_a_host_read(broken, monkeypatch):
     """Dynamo passes a float it left unspecialized (after a second value) as a CPU scalar tensor and reads it back
     with item() in the graph: no device sync, so no finding. Control: counted as a read, the second value fails."""
     if broken:
-        monkeypatch.setattr(host_sync, "_reads_a_wrapped_number", lambda node: False)
+        monkeypatch.setattr(fx_reads, "_reads_a_wrapped_number", lambda node: False)
     sg_backend.register()
     torch._dynamo.reset()
     f = torch.compile(scaled, backend="spec_graph", options={"capture": False, **CPU})
@@ -707,7 +708,7 @@ def test_mask_indexing_and_a_slice_bound_from_a_tensor_are_named_apart(broken, m
     """Both give a result whose size only the data decides; the finding says which (a slice bound read from a
     tensor is no mask). Control: every such index named mask indexing, as it was."""
     if broken:
-        monkeypatch.setattr(host_sync, "_index_kind", lambda node: "mask indexing")
+        monkeypatch.setattr(fx_reads, "_index_kind", lambda node: "mask indexing")
     ops = [f.op for f in spec_graph.check(masked, torch.rand(8)).findings]
     assert ops == ["mask indexing"], ops
     ops = [f.op for f in spec_graph.check(sliced_by_a_tensor, torch.rand(8), torch.tensor([2, 5])).findings]

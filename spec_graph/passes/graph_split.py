@@ -7,8 +7,8 @@ import warnings
 
 import torch
 
-from .host_sync import (_RESUME_RE, GraphSplitWarning, _classify_break, _frames_of_summaries, _parse_stack_trace,
-                        _user_frame)
+from .host_reads import _RESUME_RE, GraphSplitWarning, _frames_of_summaries, _parse_stack_trace, _user_frame
+from .host_sync import _classify_break
 
 __all__ = ["warn_if_split", "reset_split_warnings"]
 
