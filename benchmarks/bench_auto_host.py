@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import collections
 import gc
 import statistics
@@ -44,6 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from bench_adaptive import MAX_LEN, WORKLOADS, workloads  # noqa: E402
+from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
@@ -120,6 +122,22 @@ class Timed(ChoiceAhead):
     admit = _timed("admit")
 
 
+def auto_variants(items: list[str]) -> dict[str, tuple[str, object]]:
+    """["TAIL=1.0", ...] (--auto-set) -> {"auto TAIL=1.0": ("TAIL", 1.0), ...}: each a setting of
+    spec_graph.adaptive (an upper-case name it has) and its value (a Python literal)."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isupper() or not hasattr(adaptive, name):
+            raise SystemExit(f"--auto-set {item!r}: NAME=VALUE with NAME one of spec_graph.adaptive's upper-case "
+                             "settings (DECAY, EXPLORE_MARGIN, ...)")
+        try:
+            out[f"auto {name}={value}"] = (name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--auto-set {item!r}: VALUE must be a Python literal (0.9, None, 2)") from None
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=8)
@@ -137,15 +155,7 @@ def main():
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
     a = ap.parse_args()
-    variants = {}
-    for item in a.auto_set:
-        name, eq, value = item.partition("=")
-        if not eq or not name.isupper() or not hasattr(adaptive, name):
-            ap.error(f"--auto-set {item!r}: NAME=VALUE with NAME one of spec_graph.adaptive's upper-case settings")
-        try:
-            variants[f"auto {name}={value}"] = (name, ast.literal_eval(value))
-        except (ValueError, SyntaxError):
-            ap.error(f"--auto-set {item!r}: VALUE must be a Python literal")
+    variants = auto_variants(a.auto_set)
     fixed = [int(x) for x in a.fixed.split(",") if x]
     B = a.batch_size
     cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=a.max_k, max_batch_size=B,
@@ -207,20 +217,16 @@ def main():
             ChoiceAhead.MAX_FORK_ROWS = 0
         elif name == "auto+flush":
             sg_platform.Platform.replay = flushed_replay
-        setting = variants.get(name)
-        saved = getattr(adaptive, setting[0]) if setting else None
-        if setting:
-            setattr(adaptive, *setting)
+        setting = settings_as(adaptive, **dict([variants[name]])) if name in variants else contextlib.nullcontext()
         try:
-            plat.synchronize()
-            t = time.perf_counter()
-            out = dec.generate(wl[w], a.max_new_tokens)
-            wall = time.perf_counter() - t
+            with setting:
+                plat.synchronize()
+                t = time.perf_counter()
+                out = dec.generate(wl[w], a.max_new_tokens)
+                wall = time.perf_counter() - t
         finally:
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
             sg_platform.Platform.replay, sg_platform.Platform.to_host = real_replay, real_to_host
-            if setting:
-                setattr(adaptive, setting[0], saved)
         if name == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)

@@ -128,10 +128,10 @@ class KChooser:
     the K of the most tokens per second over all rows).
     """
 
-    def __init__(self, choices: tuple[int, ...], decay: float = DECAY):
+    def __init__(self, choices: tuple[int, ...], decay: float | None = None):
         self.choices = tuple(choices)
         self.kmax = self.choices[-1]
-        self.decay = decay
+        self.decay = DECAY if decay is None else decay  # the module's setting as it is now, as the others are read
         self.reached = [0.0] * self.kmax
         self.accepted = [0.0] * self.kmax
         self.rows: dict[int, tuple[list[float], list[float]]] = {}  # row: (reached, accepted), its own

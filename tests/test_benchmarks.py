@@ -264,3 +264,26 @@ def test_counted_captures_step_the_bar_and_leave_no_cycle():
         if was:
             gc.enable()
         gc.collect()
+
+
+@pytest.mark.parametrize("item, message", [("TAIL", "NAME=VALUE"), ("decay=0.9", "upper-case"),
+                                           ("NO_SUCH=1", "upper-case"), ("DECAY=fast", "Python literal")])
+def test_bench_auto_host_variants_parse_and_refuse_bad_input(item, message):
+    """--auto-set NAME=VALUE names an auto variant and the adaptive setting it changes, with its value parsed as a
+    literal; a malformed item, a name the chooser lacks or a value that is not a literal is refused by name."""
+    import bench_auto_host
+
+    assert bench_auto_host.auto_variants(["DECAY=0.9", "EXPLORE_ROWS=None"]) == {
+        "auto DECAY=0.9": ("DECAY", 0.9), "auto EXPLORE_ROWS=None": ("EXPLORE_ROWS", None)}
+    with pytest.raises(SystemExit, match=message):
+        bench_auto_host.auto_variants([item])
+
+
+def test_the_chooser_reads_its_decay_setting_when_made():
+    """A variant's DECAY reaches the choosers the engine makes while it is set (as the other settings, read at
+    each use, do), and the engine's own after."""
+    from spec_graph import adaptive
+
+    with bench_util.settings_as(adaptive, DECAY=0.5):
+        assert adaptive.KChooser((1, 2)).decay == 0.5
+    assert adaptive.KChooser((1, 2)).decay == adaptive.DECAY != 0.5
