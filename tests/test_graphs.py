@@ -134,9 +134,9 @@ def test_captured_through_platform_seam(llama_pair, eager_tokens):
 
 
 def check_results_read_behind_a_launch(pair, eager_tokens, at_once: bool):
-    """Where rows finish, their results start to the host at once and are read only after the next launch (the
-    host waits there anyway), so no read holds up that launch: each "copy" has a "replay" before its "wait",
-    unless no launch follows it (the call's last rows)."""
+    """Where rows finish, their results are copied to the host at once (the platform decides how) and waited for
+    and built into results only after the next launch (the host waits there anyway), so building them holds up no
+    launch: each "copy" has a "replay" before its "wait", unless no launch follows it (the call's last rows)."""
     class Reading(FakePlatform):
         def to_host(self, t):
             self.events.append("copy")

@@ -349,8 +349,6 @@ def view_as_itself(x):
 def test_a_view_as_in_user_code_is_not_a_numpy_read(broken, monkeypatch):
     """Dynamo records ``t.numpy()`` as ``t.view_as(t)``; the user's own ``x.view_as(x)`` is no host read, and
     ``numpy()`` still is. Control: every ``t.view_as(t)`` taken for numpy refuses the plain function."""
-    import spec_graph.passes.host_sync as host_sync
-
     if broken:
         monkeypatch.setattr(fx_reads, "_written_as_view_as", lambda node: False)
     report = spec_graph.check(view_as_itself, torch.ones(3))
