@@ -16,6 +16,9 @@ three workloads under these choosers, taking turns call by call:
   K=k           each K of --fixed at every replay, with no chooser work
   K=k async     the first K of --fixed, each finished row's results copied to a fresh pinned buffer with an event
                 and waited for after the next launch, in place of the engine's blocking copy before it
+  auto chain    auto priced by a table timed as the loop runs (--chain-table): per K, a chain of replays each
+                followed by the host's read, in place of the engine's table (one replay and a sync per timing,
+                plus the host's share measured at the smallest K)
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
@@ -27,6 +30,8 @@ the engine's step-time table prices its replays at (each replay's K and bucket a
 host's measured share included), and the rest, over the replays: what the table leaves out (at B=8 about the same
 per call for every fixed K: a cost per call more than per replay). And, from one more call with the chooser's
 methods timed, its host microseconds per replay, apart for replays with one busy row and with more.
+Per chooser and K, "loop - table": what a replay cycle in the call took (from one read after a replay to the
+next, without a prefill between) beyond the table's price of that replay, mean and median over the timed calls.
 """
 from __future__ import annotations
 
@@ -151,6 +156,9 @@ def main():
     ap.add_argument("--auto-set", action="append", default=[], metavar="NAME=VALUE",
                     help="one more chooser, 'auto NAME=VALUE': auto with spec_graph.adaptive's setting NAME at "
                          "VALUE (a Python literal); repeatable")
+    ap.add_argument("--chain-table", action="store_true",
+                    help="time each K as the loop runs it (a chain of replays, each followed by the read) and add "
+                         "the chooser 'auto chain', priced by that table")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
@@ -171,6 +179,13 @@ def main():
     names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush", *variants]
     names += [f"K={k}" for k in fixed]
     names += [f"K={fixed[0]} async"] if fixed else []
+    engine_table = (dict(dec.step_times), dict(dec.host_times))  # as measured at capture
+    chained = None
+    if a.chain_table:
+        chained = chain_table(dec, B)
+        names.append("auto chain")
+        print("- chain table at length 192 (ms): " + ", ".join(
+            f"K={k} {1e3 * (t[0] + t[1] * 192):.3f}" for (_, _, k), t in sorted(chained.items())), flush=True)
     real_to_host = sg_platform.Platform.to_host
     real_replay = sg_platform.Platform.replay
 
@@ -190,7 +205,9 @@ def main():
     last_ks: dict = {}
 
     split = {"prefill": 0.0, "table": 0.0}
-    real_prefill, real_run = dec._prefill, dec._run_steps
+    real_prefill, real_run, real_read = dec._prefill, dec._run_steps, dec._read_after_replay
+    cycle = {"last": None, "price": None, "K": None, "name": None}  # the replay cycle in flight (loop - table)
+    over = collections.defaultdict(list)  # ((chooser, workload), K): seconds of each cycle past its table price
 
     def timed_prefill(*args):
         t = time.perf_counter()
@@ -198,14 +215,26 @@ def main():
             return real_prefill(*args)
         finally:
             split["prefill"] += time.perf_counter() - t
+            cycle["last"] = None  # a cycle with a prefill in it is not one replay's
 
     def priced_run(B, greedy, K=None, longest=None):
-        split["table"] += dec._times_for(greedy, B, longest)[K] * dec.config.steps_per_graph
+        with settings_as(dec, step_times=engine_table[0], host_times=engine_table[1]):
+            price = dec._times_for(greedy, B, longest)[K] * dec.config.steps_per_graph
+        split["table"] += price
+        cycle.update(price=price, K=K)
         return real_run(B, greedy, K, longest)
 
-    dec._prefill, dec._run_steps = timed_prefill, priced_run
+    def timed_read(*args):
+        out = real_read(*args)
+        t = time.perf_counter()
+        if cycle["last"] is not None and cycle["name"] is not None:
+            over[(cycle["name"], cycle["K"])].append(t - cycle["last"] - cycle["price"])
+        cycle["last"] = t
+        return out
 
-    def call(name, w):
+    dec._prefill, dec._run_steps, dec._read_after_replay = timed_prefill, priced_run, timed_read
+
+    def call(name, w, timed=False):
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         split.update(prefill=0.0, table=0.0)
         if name.startswith("K=") or name.startswith("replayed"):
@@ -218,6 +247,10 @@ def main():
         elif name == "auto+flush":
             sg_platform.Platform.replay = flushed_replay
         setting = settings_as(adaptive, **dict([variants[name]])) if name in variants else contextlib.nullcontext()
+        if name == "auto chain":
+            hosts = {key: 0.0 for key in dec.host_times}  # the chain's times hold the read
+            setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)
+        cycle.update(last=None, name=(name, w) if timed else None)
         try:
             with setting:
                 plat.synchronize()
@@ -243,7 +276,7 @@ def main():
         for _ in range(a.rounds):
             for w in WORKLOADS:
                 for name in names:
-                    wall, out, parts = call(name, w)
+                    wall, out, parts = call(name, w, timed=True)
                     res[(name, w)].append((wall, out.stats, parts))
     finally:
         gc.enable()
@@ -264,6 +297,10 @@ def main():
             print(f"| {name} | {1e3 * statistics.median(walls):.2f} | {1e3 * min(walls):.2f} | {st.steps} | "
                   f"{st.prefills} | {1e3 * pre:.2f} | {1e3 * table:.2f} | {1e6 * rest:.1f} | "
                   f"{st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | {'yes' if same else 'no'} |")
+        print("- loop - table, us per replay by K (mean / median, cycles): " + "; ".join(
+            f"{name}: " + ", ".join(
+                f"K={k} {1e6 * statistics.fmean(v):.1f} / {1e6 * statistics.median(v):.1f} ({len(v)})"
+                for (n, k), v in sorted(over.items()) if n == (name, w)) for name in names))
         host = dec.host_times.get((True, B), 0.0)
         print(f"- the table's host share: {1e6 * host:.1f} us per replay; its steps at length 192: " + ", ".join(
             f"K={k} {1e3 * t:.3f} ms" for k, t in dec._times_for(True, B, 192).items()))
@@ -286,6 +323,36 @@ def main():
             prof.disable()
             print(f"\n- host profile, {name}, stdlib (one call, {1e3 * wall:.2f} ms under the profiler):")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(a.profile)
+
+
+def chain_table(dec, B: int, lengths=(16, 256), chain: int = 16, repeats: int = 3) -> dict:
+    """{(True, B, K): (base_s, per_position_s)}: each K's replay timed as the engine's loop runs it, a chain of
+    ``chain`` replays each followed by the host's read, at two live lengths with every row active (the median
+    of ``repeats`` chains); the state is put back afterwards."""
+    plat, snap = dec.platform, {k: v.clone() for k, v in dec.state.items()}
+    out = {}
+    try:
+        with torch.inference_mode():
+            for K in dec.k_choices:
+                at = []
+                for L in lengths:
+                    run = dec._timed_run((True, B, K), L)
+                    times = []
+                    for _ in range(repeats + 1):
+                        dec._as_if_live(snap, L)
+                        plat.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(chain):
+                            dec._read_after_replay(B, run())
+                        times.append((time.perf_counter() - t0) / chain)
+                    at.append(statistics.median(times[1:]) / dec.config.steps_per_graph)
+                per = max(at[1] - at[0], 0.0) / (lengths[1] - lengths[0])
+                out[(True, B, K)] = (at[0] - per * lengths[0], per)
+    finally:
+        for k, v in snap.items():
+            dec.state[k].copy_(v)
+        dec._caches_touched()
+    return out
 
 
 if __name__ == "__main__":
