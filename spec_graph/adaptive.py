@@ -66,10 +66,10 @@ EXPLORE_MARGIN = 0.02
 EXPLORE_ROWS: int | None = None
 EXPLORE_SEEN = 0.25
 
-# A replay whose graph is not the one replayed before costs more (measured at capture: step_times.switch_times). Each K but the last replay's is priced with
-# SWITCH_WEIGHT such changes per step: a K priced cheaper by less than a change per step is not taken, so that
-# near ties (whose estimates cross back and forth) do not flip K at every replay, and a one-replay try of a larger
-# K pays for its changes. 0: changes are free.
+# A replay whose graph is not the one replayed before costs more (measured at capture: step_times.switch_times).
+# Each K but the last replay's is priced with SWITCH_WEIGHT such changes per step: a K priced cheaper by less than
+# a change per step is not taken, so that near ties (whose estimates cross back and forth) do not flip K at every
+# replay, and a one-replay try of a larger K pays for its changes. 0: changes are free.
 SWITCH_WEIGHT = 1.0
 
 
