@@ -302,8 +302,7 @@ def main():
                 f"K={k} {1e6 * statistics.fmean(v):.1f} / {1e6 * statistics.median(v):.1f} ({len(v)})"
                 for (n, k), v in sorted(over.items()) if n == (name, w)) for name in names))
         host = dec.host_times.get((True, B), 0.0)
-        print(f"- the table's host share: {1e6 * host:.1f} us per replay; a change of graph "
-              f"{1e6 * dec.switch_times.get((True, B), 0.0):.1f} us; its steps at length 192: " + ", ".join(
+        print(f"- the table's host share: {1e6 * host:.1f} us per replay; its steps at length 192: " + ", ".join(
             f"K={k} {1e3 * t:.3f} ms" for k, t in dec._times_for(True, B, 192).items()))
         Timed.spent.clear()
         Timed.replays.clear()

@@ -8,8 +8,7 @@ rows and per row. With K drafts a row commits, in expectation,
 
 tokens per step, and a step of K drafts over the batch bucket takes ``t(K)``
 (measured once, when the graphs are captured: the replay, plus the host's
-read after it, which the next replay waits for, plus, for a K other than the
-last replay's, the change of graph; step_times.py).
+read after it, which the next replay waits for; step_times.py).
 A ``generate`` call ends when its last row does, so the chooser minimises
 the time the work left takes:
 
@@ -65,12 +64,6 @@ ROW_PRIOR_WEIGHT = 8.0
 EXPLORE_MARGIN = 0.02
 EXPLORE_ROWS: int | None = None
 EXPLORE_SEEN = 0.25
-
-# A replay whose graph is not the one replayed before costs more (measured at capture: step_times.switch_times).
-# Each K but the last replay's is priced with SWITCH_WEIGHT such changes per step: a K priced cheaper by less than
-# a change per step is not taken, so that near ties (whose estimates cross back and forth) do not flip K at every
-# replay, and a one-replay try of a larger K pays for its changes. 0: changes are free.
-SWITCH_WEIGHT = 1.0
 
 
 def expected_tokens(rates: list[float], k: int) -> float:

@@ -116,12 +116,10 @@ class DecoderBase(StepTimes):
         # is kept, so a caller can fix the table); the device counters the chooser reads (see adaptive.py);
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
         self.step_times: dict = {}
-        self._timed: set = set()  # the keys of the tables below measured here
+        self._timed: set = set()  # the step_times and host_times keys measured here
         # and {(greedy, bucket): seconds}: the host's own work per replay (the device read after it, and the choice
         # where it outlasts the replay), added once per replay to every K's steps; measured where the steps are
         self.host_times: dict = {}
-        # and {(greedy, bucket): seconds}: what a replay costs more where the replay before it was another K's
-        self.switch_times: dict = {}
         self.k_counts = torch.zeros(self.rows, 2 * self.K, dtype=torch.long, device=dev)  # per state row
         # Per state row, the cache positions its requests (or a capture's runs) may have written since it was last
         # cleared: past them the caches hold the zeros they were made with. Unknown (all) until a first admission.
@@ -381,8 +379,6 @@ class DecoderBase(StepTimes):
         for key in self._timed:  # re-read or re-measured at the next capture; entries a caller set stay
             self.step_times.pop(key, None)
             self.host_times.pop(key, None)
-            if key[0] == "switch":
-                self.switch_times.pop(key[1:], None)
         self._timed.clear()
 
     def _run_steps(self, B: int, greedy: bool, K: int | None = None, longest: int | None = None):
@@ -468,13 +464,11 @@ class DecoderBase(StepTimes):
         slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
-        launched: list[int | None] = [None]  # the K of the replay launched last (the one a choice would follow)
-
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
             left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
             bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
-            times = self._times_for(params.greedy, bucket, sum(lens.values()) / len(lens), launched[0])
-            return c.choose(times, left, len(pending) * max_new_tokens)
+            return c.choose(self._times_for(params.greedy, bucket, sum(lens.values()) / len(lens)), left,
+                            len(pending) * max_new_tokens)
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
@@ -555,7 +549,6 @@ class DecoderBase(StepTimes):
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
             packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
-            launched[0] = K
             collect()  # while the replay runs
             steps += N
             if pending:

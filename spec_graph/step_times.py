@@ -1,6 +1,5 @@
-"""Adaptive K's price list: the seconds each (batch bucket, K) step takes, the host's own work per replay, and
-what a replay costs more where its graph is not the one replayed before, measured once when the graphs are
-captured and fixed from then on (so the chooser stays deterministic).
+"""Adaptive K's price list: the seconds each (batch bucket, K) step takes, and the host's own work per replay,
+measured once when the graphs are captured and fixed from then on (so the chooser stays deterministic).
 
 ``StepTimes`` is a part of ``runtime.DecoderBase``: it times the engine's own captured steps, with every row
 made active as a request would be, and puts the state back afterwards. An engine that names what its steps
@@ -21,14 +20,12 @@ from pathlib import Path
 
 import torch
 
-from . import adaptive
 from . import platform as _platform
 from .adaptive import ChoiceAhead, KChooser
 
 # each K's step is timed at a short and at this live length (or max_len / 2 if shorter), and interpolated
 TIME_LENGTH = 1024
 HOST_REPLAYS = 8  # replays per timing of the host's work per replay
-SWITCH_PAIRS = 8  # pairs of replays of two graphs per timing of a change of graph
 # Seconds of timed runs per measurement past the first run: long steps (eager on a CPU, where attention covers
 # the whole cache) are timed fewer times; their noise is small against their length. Without it "auto" at
 # max_len 32768 on a CPU spent 70 s timing before its first token.
@@ -60,10 +57,9 @@ def _seconds(fn) -> float:
 
 
 class StepTimes:
-    """``step_times`` {(greedy, bucket, K): (base_s, per_position_s) or seconds}, ``host_times`` {(greedy,
-    bucket): seconds per replay} and ``switch_times`` {(greedy, bucket): seconds per change of graph}, measured
-    where the engine captured the steps; entries a caller set beforehand are kept (``_timed`` holds the keys
-    measured here; a switch_times key as ("switch", greedy, bucket))."""
+    """``step_times`` {(greedy, bucket, K): (base_s, per_position_s) or seconds} and ``host_times``
+    {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
+    set beforehand are kept (``_timed`` holds the keys measured here)."""
 
     def _timing_identity(self) -> str | None:
         """A digest of everything the steps' times depend on (None: the table is not kept in a file)."""
@@ -73,40 +69,33 @@ class StepTimes:
         ident, d = self._timing_identity(), cache_dir()
         return None if ident is None or d is None else d / f"{ident}.json"
 
-    def _tables(self) -> tuple[tuple[str, dict, object], ...]:
-        """(the file's name for it, the table, its key in ``_timed`` from its own) per table."""
-        return (("steps", self.step_times, lambda k: k), ("host", self.host_times, lambda k: k),
-                ("switch", self.switch_times, lambda k: ("switch", *k)))
-
-    def _read_times(self, path: Path) -> tuple[dict, dict, dict]:
-        """(step, host, switch entries) of a table's file; empty where it is missing, unreadable or malformed (its
-        steps are then timed again and the file rewritten). A file without switch entries has its steps' and the
-        host's read; the change of graph is timed."""
+    def _read_times(self, path: Path) -> tuple[dict, dict]:
+        """(step entries, host entries) of a table's file; empty where it is missing, unreadable or malformed (its
+        steps are then timed again and the file rewritten)."""
         if not path.is_file():
-            return {}, {}, {}
+            return {}, {}
         try:
             data = json.loads(path.read_text())
             steps = {(bool(g), int(b), int(k)): (float(v[0]), float(v[1])) if isinstance(v, list) else float(v)
                      for g, b, k, v in data["steps"]}
             host = {(bool(g), int(b)): float(v) for g, b, v in data["host"]}
-            switch = {(bool(g), int(b)): float(v) for g, b, v in data.get("switch", [])}
-        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
             log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
-            return {}, {}, {}
-        return steps, host, switch
+            return {}, {}
+        return steps, host
 
-    def _load_times(self, overwrite: bool = False, kept: tuple[dict, dict, dict] | None = None) -> None:
+    def _load_times(self, overwrite: bool = False, kept: tuple[dict, dict] | None = None) -> None:
         """Entries the table's file holds for this identity (or ``kept``, as read from it), where the caller has
         set none (``overwrite``: over the entries measured here too, so that an engine that timed a step another
         process kept first prices it as that one does)."""
         path = self._times_file()
         if path is None:
             return
-        for (_, table, timed_key), entries in zip(self._tables(), kept or self._read_times(path)):
+        for table, entries in zip((self.step_times, self.host_times), kept or self._read_times(path)):
             for key, value in entries.items():
-                if key not in table or (overwrite and timed_key(key) in self._timed):
+                if key not in table or (overwrite and key in self._timed):
                     table[key] = value
-                    self._timed.add(timed_key(key))
+                    self._timed.add(key)
 
     def _save_times(self) -> None:
         """The entries measured (or read) here, joined with what the file holds by then (its entries win: another
@@ -114,18 +103,19 @@ class StepTimes:
         path = self._times_file()
         if path is None:
             return
-        kept = self._read_times(path)
+        file_steps, file_host = kept = self._read_times(path)
         self._load_times(overwrite=True, kept=kept)
         # the file's entries whole (a key the caller set here is not this engine's to write, but stays the file's)
-        out = {name: [[*k, list(v) if isinstance(v, tuple) else v]
-                      for k, v in {**{k: v for k, v in table.items() if timed_key(k) in self._timed}, **file}.items()]
-               for (name, table, timed_key), file in zip(self._tables(), kept)}
+        steps = {**{k: v for k, v in self.step_times.items() if k in self._timed}, **file_steps}
+        host = {**{k: v for k, v in self.host_times.items() if k in self._timed}, **file_host}
+        steps = [[*k, list(v) if isinstance(v, tuple) else v] for k, v in steps.items()]
+        host = [[*k, v] for k, v in host.items()]
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
                 tmp = f.name
-                json.dump(out, f)
+                json.dump({"steps": steps, "host": host}, f)
             os.replace(tmp, path)
             tmp = None
         except OSError as e:  # a read-only home, say: the table stays this engine's own
@@ -145,8 +135,7 @@ class StepTimes:
 
         def left():  # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
             return [b for b in self._buckets() if (upto is None or b <= upto)
-                    and (any((greedy, b, K) not in self.step_times for K in self.k_choices)
-                         or (greedy, b) not in self.switch_times)]
+                    and any((greedy, b, K) not in self.step_times for K in self.k_choices)]
         buckets = left()
         if buckets:
             self._load_times()
@@ -185,9 +174,6 @@ class StepTimes:
                 if (greedy, b, self.k_choices[0]) in self._timed and (greedy, b) not in self.host_times:
                     self.host_times[(greedy, b)] = self._time_host(greedy, b, snap, lo, repeats)
                     self._timed.add((greedy, b))
-                if (greedy, b) not in self.switch_times:
-                    self.switch_times[(greedy, b)] = self._time_switch(greedy, b, snap, lo, repeats)
-                    self._timed.add(("switch", greedy, b))
         finally:
             for k, v in snap.items():
                 st[k].copy_(v)
@@ -233,31 +219,6 @@ class StepTimes:
                 best[name] = min(best.get(name, t), t)
         return max(best["read"] - best["sync"], 0.0)
 
-    def _time_switch(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
-        """Seconds a replay of bucket `b` costs more where the graph replayed before it was another K's: chains of
-        the smallest and the largest K's replays, each followed by the host's read as in the loop, in turn (a
-        change at every replay) against the same replays in two runs of one K. Zero without graphs (an eager
-        step changes no graph) or with one K; not timed (zero) where the chains would pass TIMING_BUDGET_S."""
-        ks = (self.k_choices[0], self.k_choices[-1])
-        if self.graphs is None or ks[0] == ks[1] or any((greedy, b, k) not in self.graphs for k in ks):
-            return 0.0
-        times = self._times_for(greedy, b, length)
-        if sum(times[k] for k in ks) * self.config.steps_per_graph * SWITCH_PAIRS > TIMING_BUDGET_S:
-            return 0.0
-        plat, runs = self.platform, {k: self._timed_run((greedy, b, k), length) for k in ks}
-        orders = {"apart": [ks[0]] * SWITCH_PAIRS + [ks[1]] * SWITCH_PAIRS, "in turn": list(ks) * SWITCH_PAIRS}
-        best = {}
-        for _ in range(repeats):
-            for name, order in orders.items():
-                self._as_if_live(snap, length)
-                runs[ks[1]]()  # untimed: so each chain starts with a change (in turn 2 x pairs changes, apart 2)
-                plat.synchronize()
-                t0 = time.perf_counter()
-                for k in order:
-                    self._read_after_replay(b, runs[k]())
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-        return max(best["in turn"] - best["apart"], 0.0) / (2 * SWITCH_PAIRS - 2)
-
     def _timed_run(self, key, length: int):
         """The step of key (greedy, bucket, K) as the engine runs it at live length `length`: its graph's replay,
         or uncaptured."""
@@ -287,19 +248,16 @@ class StepTimes:
         st["max_new"].fill_(self.config.max_len)
         st["steps"].fill_(1)
 
-    def _times_for(self, greedy: bool, B: int, length: float, last: int | None = None) -> dict[int, float]:
+    def _times_for(self, greedy: bool, B: int, length: float) -> dict[int, float]:
         """{K: seconds per step} at mean live length `length`, from the measured bucket nearest above B (else the
         largest): a ``step_times`` entry, ``(base_s, per_position_s)`` or plain seconds, plus the bucket's
-        ``host_times`` share per step (none where it was not measured); with `last` (the K of the replay before),
-        every other K's steps carry ``adaptive.SWITCH_WEIGHT`` changes of graph each (``switch_times``)."""
+        ``host_times`` share per step (none where it was not measured)."""
         measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
         b = next((m for m in measured if m >= B), measured[-1] if measured else B)
-        N = self.config.steps_per_graph
-        host = self.host_times.get((greedy, b), 0.0) / N
-        switch = 0.0 if last is None else adaptive.SWITCH_WEIGHT * self.switch_times.get((greedy, b), 0.0) / N
+        host = self.host_times.get((greedy, b), 0.0) / self.config.steps_per_graph
         out = {}
         for K in self.k_choices:
             t = self.step_times.get((greedy, b, K))
             if t is not None:
-                out[K] = (t[0] + t[1] * length if isinstance(t, tuple) else t) + host + (switch if K != last else 0.0)
+                out[K] = (t[0] + t[1] * length if isinstance(t, tuple) else t) + host
         return out

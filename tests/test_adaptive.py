@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -570,10 +569,10 @@ def test_auto_measures_step_times_once(llama_pair):
     assert all(dec.step_times[k] == v for k, v in before.items())  # bucket 1's times stay as measured
     # timing ran the steps with every row active, then put the state back: the requests are untouched
     assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 8) for p in PROMPTS[:2]]
-    table, host, switch = dict(dec.step_times), dict(dec.host_times), dict(dec.switch_times)
+    table, host = dict(dec.step_times), dict(dec.host_times)
     assert set(table) == {(True, b, k) for b in (1, 2) for k in (1, 2, 3)}
     assert all(base + 16 * per > 0 and per >= 0 for base, per in table.values())
-    assert set(host) == set(switch) == {(True, 1), (True, 2)} and min(switch.values()) >= 0
+    assert set(host) == {(True, 1), (True, 2)}
     # each K's step time holds the host's work per replay too (it waits for the replay's end)
     dec.host_times[(True, 2)] = 0.5
     dec.config.steps_per_graph = 2
@@ -581,9 +580,9 @@ def test_auto_measures_step_times_once(llama_pair):
                                               for k in (1, 2, 3)}
     dec.host_times[(True, 2)], dec.config.steps_per_graph = host[(True, 2)], 1
     dec.generate(PROMPTS[:2], 8)
-    assert dec.step_times == table and dec.host_times == host and dec.switch_times == switch  # fixed once measured
+    assert dec.step_times == table and dec.host_times == host  # fixed once measured: same seed, same Ks
     dec.reset_graphs()
-    assert dec.step_times == {} and dec.host_times == {} and dec.switch_times == {}  # measured with the next graphs
+    assert dec.step_times == {} and dec.host_times == {}  # measured again with the next graphs
 
 
 def test_a_call_times_the_bucket_its_batch_is_priced_with(llama_pair):
@@ -625,62 +624,6 @@ def test_long_steps_are_timed_fewer_times(llama_pair, monkeypatch, budget, runs_
     host_runs = 2 * step_times_mod.HOST_REPLAYS * 3 if budget == float("inf") else 0  # read + sync, x 3
     assert runs == {(True, 1, 1): lengths * runs_per_key + host_runs, (True, 1, 2): lengths * runs_per_key}, runs
     assert dec.host_times[(True, 1)] >= 0
-
-
-class _Switching(step_times_mod.StepTimes):
-    """Two K's graphs whose replays take 2 ms, and `cost` more where the replay before was the other K's."""
-
-    def __init__(self, cost: float):
-        self.step_times = {(True, 1, 1): 0.002, (True, 1, 4): 0.002}
-        self.host_times, self.switch_times, self._timed = {}, {}, set()
-        self.k_choices, self.graphs = (1, 4), {(True, 1, 1), (True, 1, 4)}
-        self.config, self.platform = SimpleNamespace(steps_per_graph=1), SimpleNamespace(synchronize=lambda: None)
-        self.cost, self.before = cost, None
-
-    def _as_if_live(self, snap, length):
-        pass
-
-    def _read_after_replay(self, B, packed=None):
-        return []
-
-    def _timed_run(self, key, length):
-        def run():
-            time.sleep(0.002 + (self.cost if self.before not in (None, key[2]) else 0.0))
-            self.before = key[2]
-        return run
-
-
-@pytest.mark.parametrize("cost", [0.0, 0.004])
-def test_a_change_of_graph_is_timed(cost):
-    """The capture times what a replay costs more after another K's replay: 4 ms where each change costs that,
-    nothing where none does (the control: a timing that does not tell the two apart fails one of them)."""
-    measured = _Switching(cost)._time_switch(True, 1, {}, 16, repeats=3)
-    assert abs(measured - cost) < 0.0015, measured
-
-
-@pytest.mark.parametrize("weight", [1.0, 0.0])
-def test_a_change_of_graph_is_priced(llama_pair, monkeypatch, weight):
-    """Every K but the last replay's carries the change of graph: where it outweighs what K=1 gains over K=2 per
-    token (0.703 against 0.760 s, from a fresh estimate), K=2 stays after a K=2 replay and K=1 after a K=1 one;
-    before any replay nothing is added. Control: with SWITCH_WEIGHT 0 a change is free and K=1 is taken."""
-    monkeypatch.setattr(adaptive_mod, "SWITCH_WEIGHT", weight)
-    dec = _engine(llama_pair)
-    dec.switch_times[(True, 1)] = 0.2
-    assert dec._times_for(True, 1, 10.0, last=2) == {k: TIMES[k] * (1 + 1 / 8) + (0.2 * weight if k != 2 else 0)
-                                                      for k in TIMES}
-    picks = [KChooser((1, 2)).choose(dec._times_for(True, 1, 10.0, last)) for last in (None, 1, 2)]
-    assert picks == ([1, 1, 2] if weight else [1, 1, 1])
-
-
-@pytest.mark.parametrize("switch", [1e3, 0.0])
-def test_the_engine_prices_the_change_from_its_last_replay(llama_pair, switch):
-    """The engine prices each choice with the K of the replay launched last, across requests too: with changes of
-    graph dearer than any step, a call keeps the K of its first replay. Control: free changes, and K moves."""
-    dec = _engine(llama_pair, max_batch_size=1)
-    dec.switch_times.update({(True, b): switch for b in (1, 2, 4)})  # set by the caller: kept
-    out = dec.generate(PROMPTS, 32)
-    assert [r.token_ids for r in out] == [hf_greedy(llama_pair[0], p, 32) for p in PROMPTS]
-    assert (len(set(out.stats.k_per_step)) == 1) == bool(switch), out.stats.k_per_step
 
 
 def test_host_time_moves_the_choice(llama_pair):
@@ -823,8 +766,7 @@ class _Table(step_times_mod.StepTimes):
     """A step-time table alone: what two engines built alike share through the file."""
 
     def __init__(self, identity="one-pair"):
-        self.step_times, self.host_times, self.switch_times = {}, {}, {}
-        self._timed, self.identity = set(), identity
+        self.step_times, self.host_times, self._timed, self.identity = {}, {}, set(), identity
 
     def _timing_identity(self):
         return self.identity
@@ -853,34 +795,6 @@ def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
     both = sorted(kept) == [[True, 1, 1, [1.0, 0.0]], [True, 1, 2, [2.0, 0.0]], [True, 1, 3, [3.0, 0.0]]]
     assert (both and second.step_times[(True, 1, 2)] == (2.0, 0.0)) != broken, kept
     assert second.step_times[(True, 1, 1)] == (5.0, 0.0)  # the caller's entry stays in its table
-
-
-@pytest.mark.parametrize("broken", [False, True])
-def test_a_table_without_changes_of_graph_is_read(tmp_path, monkeypatch, broken):
-    """A file written before the changes of graph were timed keeps its steps and host times (only the change is
-    timed again), and a saved change of graph is read back. Control: a reader that needs the switch entries drops
-    the older file whole."""
-    monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
-    if broken:
-        real = step_times_mod.StepTimes._read_times
-
-        def strict(self, path):
-            if path.is_file() and "switch" not in json.loads(path.read_text()):
-                return {}, {}, {}
-            return real(self, path)
-        monkeypatch.setattr(step_times_mod.StepTimes, "_read_times", strict)
-    path = _Table()._times_file()
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"steps": [[True, 1, 1, [1.0, 0.5]]], "host": [[True, 1, 0.25]]}))
-    old = _Table()
-    old._load_times()
-    assert (old.step_times == {(True, 1, 1): (1.0, 0.5)} and old.host_times == {(True, 1): 0.25}) != broken
-    old.switch_times[(True, 1)] = 0.125
-    old._timed.add(("switch", True, 1))
-    old._save_times()
-    new = _Table()
-    new._load_times()
-    assert new.switch_times == {(True, 1): 0.125} and ("switch", True, 1) in new._timed
 
 
 @pytest.mark.parametrize("broken", [False, True])
