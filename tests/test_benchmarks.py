@@ -1,4 +1,4 @@
-"""The benchmark scripts' own settings (no GPU: nothing here times or compiles)."""
+"""The benchmark scripts' own settings and helpers (no GPU: nothing here compiles, and no time is checked)."""
 import sys
 from pathlib import Path
 
@@ -287,3 +287,29 @@ def test_the_chooser_reads_its_decay_setting_when_made():
     with bench_util.settings_as(adaptive, DECAY=0.5):
         assert adaptive.KChooser((1, 2)).decay == 0.5
     assert adaptive.KChooser((1, 2)).decay == adaptive.DECAY != 0.5
+
+
+@pytest.mark.parametrize("restored", [True, False])
+def test_bench_auto_host_chain_table_puts_the_state_back(llama_pair, restored):
+    """--chain-table times each K's replays as the loop runs them (every row active, each replay followed by the
+    read) and leaves the engine's rows as it found them: a (base, per-position) entry per K of the bucket. Control:
+    the same chain without putting the state back changes it, so the check can fail."""
+    import torch
+
+    import bench_auto_host
+    from spec_graph import SpecDecoder, SpecGraphConfig
+
+    cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=3, max_len=512, max_batch_size=2,
+                          batch_buckets=(2,), enable_graph=False)
+    dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    before = {k: v.clone() for k, v in dec.state.items()}
+    if restored:
+        table = bench_auto_host.chain_table(dec, 2, chain=2, repeats=1)
+        assert set(table) == {(True, 2, k) for k in dec.k_choices}
+        assert all(base + 16 * per > 0 and per >= 0 for base, per in table.values())
+    else:
+        with torch.inference_mode():
+            dec._as_if_live(before, 16)
+            dec._read_after_replay(2, dec._timed_run((True, 2, 1), 16)())
+    same = all(torch.equal(before[k], v) for k, v in dec.state.items())
+    assert same == restored
