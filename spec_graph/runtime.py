@@ -464,11 +464,13 @@ class DecoderBase(StepTimes):
         slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
+        prices: dict = {}  # bucket: its step times as a function of length (the table is fixed during a call)
+
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
             left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
             bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
-            return c.choose(self._times_for(params.greedy, bucket, sum(lens.values()) / len(lens)), left,
-                            len(pending) * max_new_tokens)
+            price = prices.get(bucket) or prices.setdefault(bucket, self._prices(params.greedy, bucket))
+            return c.choose(price(sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 

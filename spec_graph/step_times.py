@@ -252,12 +252,16 @@ class StepTimes:
         """{K: seconds per step} at mean live length `length`, from the measured bucket nearest above B (else the
         largest): a ``step_times`` entry, ``(base_s, per_position_s)`` or plain seconds, plus the bucket's
         ``host_times`` share per step (none where it was not measured)."""
+        return self._prices(greedy, B)(length)
+
+    def _prices(self, greedy: bool, B: int):
+        """``_times_for(greedy, B, length)`` as a function of `length`, with the table read once (the engine prices
+        every choice of a call with it, several per replay with one busy row)."""
         measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
         b = next((m for m in measured if m >= B), measured[-1] if measured else B)
         host = self.host_times.get((greedy, b), 0.0) / self.config.steps_per_graph
-        out = {}
-        for K in self.k_choices:
-            t = self.step_times.get((greedy, b, K))
-            if t is not None:
-                out[K] = (t[0] + t[1] * length if isinstance(t, tuple) else t) + host
-        return out
+        entries = [(K, t) for K in self.k_choices if (t := self.step_times.get((greedy, b, K))) is not None]
+
+        def at(length: float) -> dict[int, float]:
+            return {K: (t[0] + t[1] * length if isinstance(t, tuple) else t) + host for K, t in entries}
+        return at
