@@ -469,8 +469,9 @@ class DecoderBase(StepTimes):
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
             left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
             bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
-            price = prices.get(bucket) or prices.setdefault(bucket, self._prices(params.greedy, bucket))
-            return c.choose(price(sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
+            if bucket not in prices:
+                prices[bucket] = self._prices(params.greedy, bucket)
+            return c.choose(prices[bucket](sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
