@@ -217,9 +217,13 @@ def main():
             split["prefill"] += time.perf_counter() - t
             cycle["last"] = None  # a cycle with a prefill in it is not one replay's
 
+    prices: dict = {}  # (greedy, bucket): the engine's table as a function of length, read once
+
     def priced_run(B, greedy, K=None, longest=None):
-        with settings_as(dec, step_times=engine_table[0], host_times=engine_table[1]):
-            price = dec._times_for(greedy, B, longest)[K] * dec.config.steps_per_graph
+        if (greedy, B) not in prices:
+            with settings_as(dec, step_times=engine_table[0], host_times=engine_table[1]):
+                prices[(greedy, B)] = dec._prices(greedy, B)
+        price = prices[(greedy, B)](longest)[K] * dec.config.steps_per_graph
         split["table"] += price
         cycle.update(price=price, K=K)
         return real_run(B, greedy, K, longest)
