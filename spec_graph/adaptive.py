@@ -183,9 +183,10 @@ class KChooser:
 
     def rates(self) -> list[float]:
         out, prev = [], PRIOR_RATE
+        shrink, miss, weight = PRIOR_SHRINK, PRIOR_MISS_SCALE, PRIOR_WEIGHT  # read once: this runs per fork
         for r, a in zip(self.reached, self.accepted):
-            prior = max(1.0 - (1.0 - PRIOR_SHRINK * prev) * PRIOR_MISS_SCALE, 0.0)
-            prev = (a + PRIOR_WEIGHT * prior) / (r + PRIOR_WEIGHT)
+            prior = 1.0 - (1.0 - shrink * prev) * miss
+            prev = (a + weight * (prior if prior > 0.0 else 0.0)) / (r + weight)
             out.append(prev)
         return out
 
@@ -212,27 +213,28 @@ class KChooser:
     def choose(self, times: dict[int, float], remaining: dict[int, int] | None = None, queued: int = 0) -> int:
         rates = self.rates()
         pooled = _expected_by_k(rates)
+        ks = [k for k in self.choices if (t := times.get(k)) is not None and t > 0]
+        costs = []
         if remaining:  # steps until the work left is done (module docstring), at least the slowest row's
-            slowest = [0.0] * len(self.choices)
-            for r, left in remaining.items():
-                e, most = self._row_expected(r, rates, pooled), max(left - 1, 0)
-                for i, k in enumerate(self.choices):
+            total = queued + sum(remaining.values())
+            per_row = [(left, self._row_expected(r, rates, pooled), max(left - 1, 0)) for r, left in remaining.items()]
+            for k in ks:
+                steps = total / (len(remaining) * pooled[k])
+                for left, e, most in per_row:
                     # a row commits at most the tokens it has left: drafts past them finish it no sooner
                     v = left / e[k if k < most else most]
-                    if v > slowest[i]:
-                        slowest[i] = v
-            total, rows = queued + sum(remaining.values()), len(remaining)
-            steps = {k: max(total / (rows * pooled[k]), s) for k, s in zip(self.choices, slowest)}
+                    if v > steps:
+                        steps = v
+                costs.append(steps * times[k])
         else:
-            steps = {k: 1.0 / pooled[k] for k in self.choices}
-        costs = {k: steps[k] * times[k] for k in self.choices if times.get(k) is not None and times[k] > 0}
+            costs = [1.0 / pooled[k] * times[k] for k in ks]
         best, best_cost = self.choices[0], float("inf")
-        for k, cost in costs.items():
+        for k, cost in zip(ks, costs):
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = k, cost
         few_rows = EXPLORE_ROWS is None or len(remaining or ()) <= EXPLORE_ROWS
         if best < self.kmax and self.reached[best] < EXPLORE_SEEN and few_rows:
-            wider = [k for k in costs if k > best and costs[k] <= best_cost * (1 + EXPLORE_MARGIN)]
+            wider = [k for k, cost in zip(ks, costs) if k > best and cost <= best_cost * (1 + EXPLORE_MARGIN)]
             if wider:
                 return min(wider)
         return best
