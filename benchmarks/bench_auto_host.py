@@ -12,7 +12,7 @@ three workloads under these choosers, taking turns call by call:
   replayed+work the same Ks, with auto's chooser work done beside them and its choices dropped
   auto+flush    auto, with a query of the stream right after each graph launch (a driver call that may submit
                 work the driver still holds, before the chooser's host work)
-  auto N=V      auto with spec_graph.adaptive's setting N at V (--auto-set N=V)
+  auto N=V      auto with spec_graph.adaptive's setting N at V (--auto-set N=V; N=V+M=W sets both)
   K=k           each K of --fixed at every replay, with no chooser work
   K=k async     the first K of --fixed, each finished row's results copied to a fresh pinned buffer with an event
                 and waited for after the next launch, in place of the engine's blocking copy before it
@@ -40,6 +40,7 @@ import ast
 import contextlib
 import collections
 import gc
+import re
 import statistics
 import sys
 import time
@@ -127,19 +128,23 @@ class Timed(ChoiceAhead):
     admit = _timed("admit")
 
 
-def auto_variants(items: list[str]) -> dict[str, tuple[str, object]]:
-    """["TAIL=1.0", ...] (--auto-set) -> {"auto TAIL=1.0": ("TAIL", 1.0), ...}: each a setting of
-    spec_graph.adaptive (an upper-case name it has) and its value (a Python literal)."""
+def auto_variants(items: list[str]) -> dict[str, dict[str, object]]:
+    """["TAIL=1.0", "A=1+B=None", ...] (--auto-set) -> {"auto TAIL=1.0": {"TAIL": 1.0}, "auto A=1+B=None": {"A": 1,
+    "B": None}, ...}: each variant's settings of spec_graph.adaptive (upper-case names it has), joined by "+", and
+    their values (Python literals)."""
     out = {}
     for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or not name.isupper() or not hasattr(adaptive, name):
-            raise SystemExit(f"--auto-set {item!r}: NAME=VALUE with NAME one of spec_graph.adaptive's upper-case "
-                             "settings (DECAY, EXPLORE_MARGIN, ...)")
-        try:
-            out[f"auto {name}={value}"] = (name, ast.literal_eval(value))
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--auto-set {item!r}: VALUE must be a Python literal (0.9, None, 2)") from None
+        settings = {}
+        for part in re.split(r"\+(?=[A-Z_]+=)", item):
+            name, eq, value = part.partition("=")
+            if not eq or not name.isupper() or not hasattr(adaptive, name):
+                raise SystemExit(f"--auto-set {item!r}: NAME=VALUE[+NAME=VALUE...] with each NAME one of "
+                                 "spec_graph.adaptive's upper-case settings (DECAY, EXPLORE_MARGIN, ...)")
+            try:
+                settings[name] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                raise SystemExit(f"--auto-set {item!r}: VALUE must be a Python literal (0.9, None, 2)") from None
+        out[f"auto {item}"] = settings
     return out
 
 
@@ -250,7 +255,7 @@ def main():
             ChoiceAhead.MAX_FORK_ROWS = 0
         elif name == "auto+flush":
             sg_platform.Platform.replay = flushed_replay
-        setting = settings_as(adaptive, **dict([variants[name]])) if name in variants else contextlib.nullcontext()
+        setting = settings_as(adaptive, **variants[name]) if name in variants else contextlib.nullcontext()
         if name == "auto chain":
             hosts = {key: 0.0 for key in dec.host_times}  # the chain's times hold the read
             setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)
