@@ -31,6 +31,7 @@ and so the tokens, repeat.
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -182,7 +183,7 @@ class KChooser:
         fork.__dict__.update(self.__dict__)
         fork.reached, fork.accepted, fork.rows = list(self.reached), list(self.accepted), dict(self.rows)
         last = self._last + [0] * (base + 2 * n - len(self._last))
-        last[base:base + 2 * n] = [c + d for c, d in zip(last[base:base + 2 * n], new)]
+        last[base:base + 2 * n] = map(operator.add, last[base:base + 2 * n], new)
         fork._last = last
         # what observe(the counts) would do: every other row's counts are unchanged, so this row's are the sums'
         _decayed_add(fork.reached, fork.accepted, new, self.decay)
