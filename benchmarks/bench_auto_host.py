@@ -135,7 +135,7 @@ def auto_variants(items: list[str]) -> dict[str, dict[str, object]]:
     out = {}
     for item in items:
         settings = {}
-        for part in re.split(r"\+(?=[A-Z_]+=)", item):
+        for part in re.split(r"\+(?=[A-Za-z_]\w*=)", item):
             name, eq, value = part.partition("=")
             if not eq or not name.isupper() or not hasattr(adaptive, name):
                 raise SystemExit(f"--auto-set {item!r}: NAME=VALUE[+NAME=VALUE...] with each NAME one of "
@@ -337,31 +337,20 @@ def main():
 def chain_table(dec, B: int, lengths=(16, 256), chain: int = 16, repeats: int = 3) -> dict:
     """{(True, B, K): (base_s, per_position_s)}: each K's replay timed as the engine's loop runs it, a chain of
     ``chain`` replays each followed by the host's read, at two live lengths with every row active (the median
-    of ``repeats`` chains); the state is put back afterwards."""
-    plat, snap = dec.platform, {k: v.clone() for k, v in dec.state.items()}
-    out = {}
-    try:
-        with torch.inference_mode():
-            for K in dec.k_choices:
-                at = []
-                for L in lengths:
-                    run = dec._timed_run((True, B, K), L)
-                    times = []
-                    for _ in range(repeats + 1):
-                        dec._as_if_live(snap, L)
-                        plat.synchronize()
-                        t0 = time.perf_counter()
-                        for _ in range(chain):
-                            dec._read_after_replay(B, run())
-                        times.append((time.perf_counter() - t0) / chain)
-                    at.append(statistics.median(times[1:]) / dec.config.steps_per_graph)
-                per = max(at[1] - at[0], 0.0) / (lengths[1] - lengths[0])
-                out[(True, B, K)] = (at[0] - per * lengths[0], per)
-    finally:
-        for k, v in snap.items():
-            dec.state[k].copy_(v)
-        dec._caches_touched()
-    return out
+    of ``repeats`` chains), fitted as the engine fits its table; the state is put back afterwards."""
+    def seconds(run, L):
+        times = []
+        for _ in range(repeats + 1):  # the first warms
+            dec._as_if_live(snap, L)
+            dec.platform.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(chain):
+                dec._read_after_replay(B, run())
+            times.append((time.perf_counter() - t0) / chain)
+        return statistics.median(times[1:])
+
+    with torch.inference_mode(), dec._state_kept() as snap:
+        return {(True, B, K): dec._fitted((True, B, K), lengths, seconds) for K in dec.k_choices}
 
 
 if __name__ == "__main__":

@@ -195,8 +195,7 @@ class KChooser:
         out, prev = [], PRIOR_RATE
         shrink, miss, weight = PRIOR_SHRINK, PRIOR_MISS_SCALE, PRIOR_WEIGHT  # read once: this runs per fork
         for r, a in zip(self.reached, self.accepted):
-            prior = 1.0 - (1.0 - shrink * prev) * miss
-            prev = (a + weight * (prior if prior > 0.0 else 0.0)) / (r + weight)
+            prev = (a + weight * max(1.0 - (1.0 - shrink * prev) * miss, 0.0)) / (r + weight)
             out.append(prev)
         return out
 
@@ -229,13 +228,13 @@ class KChooser:
             total = queued + sum(remaining.values())
             per_row = [(left, self._row_expected(r, rates, pooled), max(left - 1, 0)) for r, left in remaining.items()]
             for k in ks:
-                steps = total / (len(remaining) * pooled[k])
+                slowest = 0.0
                 for left, e, most in per_row:
                     # a row commits at most the tokens it has left: drafts past them finish it no sooner
                     v = left / e[k if k < most else most]
-                    if v > steps:
-                        steps = v
-                costs.append(steps * times[k])
+                    if v > slowest:
+                        slowest = v
+                costs.append(max(total / (len(remaining) * pooled[k]), slowest) * times[k])
         else:
             costs = [1.0 / pooled[k] * times[k] for k in ks]
         best, best_cost = self.choices[0], float("inf")

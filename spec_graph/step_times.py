@@ -131,7 +131,7 @@ class StepTimes:
         at two lengths (one where attention covers the whole cache anyway), then the state is put back (no
         request is active during capture: the scratch tokens written go to free slots, which a prefill resets).
         Fixed from here on: the chooser stays deterministic. `upto`: the buckets up to it alone."""
-        plat, N, st = self.platform, self.config.steps_per_graph, self.state
+        plat = self.platform
 
         def left():  # the buckets with a step left to time (a call of an engine without graphs asks at every generate)
             return [b for b in self._buckets() if (upto is None or b <= upto)
@@ -147,38 +147,51 @@ class StepTimes:
         # attention's work follows the live length where its kernel runs or an eager step reads a span (else it
         # covers the whole cache)
         lengths = (lo, hi) if _platform.use_triton(self.device) or self.span_steps else (lo,)
-        snap = {k: v.clone() for k, v in st.items()}
-        try:
+        with self._state_kept() as snap:
+            def seconds(run, L):  # the least of the timed runs, the first (uncaptured: it may compile) not counted
+                times = []
+                for i in range(repeats + 1):
+                    self._as_if_live(snap, L)
+                    plat.synchronize()
+                    t0 = time.perf_counter()
+                    run()
+                    plat.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    if i >= MIN_TIMED_RUNS and sum(times[1:]) >= TIMING_BUDGET_S:
+                        break
+                return min(times[1:])
+
             for b in buckets:
                 for K in self.k_choices:
                     key = (greedy, b, K)
-                    if key in self.step_times:
-                        continue
-                    at = []
-                    for L in lengths:
-                        run = self._timed_run(key, L)
-                        times = []
-                        for i in range(repeats + 1):  # the first warms (uncaptured: it may compile)
-                            self._as_if_live(snap, L)
-                            plat.synchronize()
-                            t0 = time.perf_counter()
-                            run()
-                            plat.synchronize()
-                            times.append(time.perf_counter() - t0)
-                            if i >= MIN_TIMED_RUNS and sum(times[1:]) >= TIMING_BUDGET_S:
-                                break
-                        at.append(min(times[1:]) / N)
-                    per = max(at[-1] - at[0], 0.0) / (hi - lo)
-                    self.step_times[key] = (at[0] - per * lo, per)
-                    self._timed.add(key)
+                    if key not in self.step_times:
+                        self.step_times[key] = self._fitted(key, lengths, seconds)
+                        self._timed.add(key)
                 if (greedy, b, self.k_choices[0]) in self._timed and (greedy, b) not in self.host_times:
                     self.host_times[(greedy, b)] = self._time_host(greedy, b, snap, lo, repeats)
                     self._timed.add((greedy, b))
+        self._save_times()
+
+    @contextlib.contextmanager
+    def _state_kept(self):
+        """Yields a snapshot of the engine's state to time steps from (``_as_if_live`` makes every row live from it),
+        and puts the state back afterwards: no request is active during capture, and the scratch tokens the timed
+        steps write go to free slots, whose caches are marked touched (a prefill resets them)."""
+        snap = {k: v.clone() for k, v in self.state.items()}
+        try:
+            yield snap
         finally:
             for k, v in snap.items():
-                st[k].copy_(v)
-            self._caches_touched()  # the timed steps wrote every row's caches
-        self._save_times()
+                self.state[k].copy_(v)
+            self._caches_touched()
+
+    def _fitted(self, key, lengths: tuple[int, ...], seconds) -> tuple[float, float]:
+        """``(base_s, per_position_s)`` of the step of ``key`` (greedy, bucket, K) from ``seconds(run, length)``, its
+        seconds per replay with every row live at each of ``lengths`` (the first and last fit the line; one length:
+        no slope)."""
+        at = [seconds(self._timed_run(key, L), L) / self.config.steps_per_graph for L in lengths]
+        per = max(at[-1] - at[0], 0.0) / (lengths[-1] - lengths[0]) if len(lengths) > 1 else 0.0
+        return at[0] - per * lengths[0], per
 
     def _time_host(self, greedy: bool, b: int, snap: dict, length: int, repeats: int) -> float:
         """Seconds per replay that the engine's host work adds to a replay of bucket `b` (the smallest K): replays

@@ -217,29 +217,43 @@ class _KeepAtOneRow(KChooser):
         return super().choose(times, {**(remaining or {}), -1: 0}, queued)
 
 
-@pytest.mark.parametrize("variant", ["right", "never kept", "kept at one row"])
+class _KeepUnpriced(KChooser):
+    """Broken: the running K kept where the table has no time for it."""
+
+    def choose(self, times, remaining=None, queued=0):
+        if len(remaining or ()) > 1 and self.last_k is not None and not times.get(self.last_k):
+            return self.last_k
+        return super().choose(times, remaining, queued)
+
+
+KEEP_VARIANTS = {"right": KChooser, "never kept": KChooser, "kept at one row": _KeepAtOneRow,
+                 "kept unpriced": _KeepUnpriced}
+
+
+@pytest.mark.parametrize("variant", list(KEEP_VARIANTS))
 def test_a_batch_keeps_its_k_in_a_near_tie(monkeypatch, variant):
     """With two busy rows the K running is kept while priced within KEEP_MARGIN of the best, and left where it is
-    priced beyond; one busy row gets the best K, as does a choice with no K running. Through ChoiceAhead too: the K
-    it was told is running is the one kept."""
+    priced beyond or not priced at all; one busy row gets the best K, as does a choice with no K running. Through
+    ChoiceAhead too: the K it was told is running is the one kept."""
     monkeypatch.setattr(adaptive_mod, "EXPLORE_MARGIN", 0.0)  # no try of K=2 for its unseen position
     if variant == "never kept":
         monkeypatch.setattr(adaptive_mod, "KEEP_MARGIN", 0.0)
-    c = (_KeepAtOneRow if variant == "kept at one row" else KChooser)((1, 2))
+    cls = KEEP_VARIANTS[variant]
+    c = cls((1, 2))
     pooled = adaptive_mod._expected_by_k(c.rates())
     near = {1: pooled[1], 2: pooled[2] * 1.005}  # K=1 best, K=2 within the margin of 1%
     far = {1: pooled[1], 2: pooled[2] * 1.02}
     rows2, rows1, queued = {0: 50, 1: 50}, {0: 50}, 10**6  # the waiting work rules: costs follow times / E(K)
     assert c.choose(near, rows2, queued) == 1  # nothing running yet
     c.last_k = 2
-    got = c.choose(near, rows2, queued), c.choose(far, rows2, queued), c.choose(near, rows1, queued)
-    ahead = ChoiceAhead(KChooser((1, 2)) if variant != "kept at one row" else _KeepAtOneRow((1, 2)),
-                        lambda ch, lens: ch.choose(near, {r: 50 for r in lens}, queued))
+    got = (c.choose(near, rows2, queued), c.choose(far, rows2, queued), c.choose(near, rows1, queued),
+           c.choose({1: pooled[1], 2: None}, rows2, queued), c.choose({1: pooled[1], 2: 0.0}, rows2, queued))
+    ahead = ChoiceAhead(cls((1, 2)), lambda ch, lens: ch.choose(near, {r: 50 for r in lens}, queued))
     lens = {0: 10, 1: 12}
     first = ahead.pick(lens)
     ahead.ahead(2, 1, lens)  # a K=2 replay launched (a try, say): the next K comes from the chooser now
     ahead.seen(list(ahead.chooser._last), {0: 11, 1: 13})
-    assert (got == (2, 1, 1) and (first, ahead.pick({0: 11, 1: 13})) == (1, 2)) == (variant == "right"), got
+    assert (got == (2, 1, 1, 1, 1) and (first, ahead.pick({0: 11, 1: 13})) == (1, 2)) == (variant == "right"), got
 
 
 # ------------------------------------------------------------------ the engine
@@ -272,6 +286,7 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
         orig = runtime_mod.DecoderBase._steps_fn
         monkeypatch.setattr(runtime_mod.DecoderBase, "_steps_fn",
                             lambda self, g, B, K, *rest: orig(self, g, B, self.K, *rest))
+    keep = adaptive_mod.KEEP_MARGIN
     monkeypatch.setattr(adaptive_mod, "KEEP_MARGIN", 0.0)  # K then moves in near ties too: rejections at 1, 2, 3
     dec = _engine(llama_pair)
     out = dec.generate(PROMPTS, 32)
@@ -292,6 +307,10 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     assert {a for a, k in reached if a < k} >= {0, 1, 2} and (2, 2) in reached, reached
     # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
     assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
+    monkeypatch.setattr(adaptive_mod, "KEEP_MARGIN", keep)  # the engine's own setting: other Ks, the same tokens
+    kept = dec.generate(PROMPTS, 32)
+    assert [r.token_ids for r in kept] == [r.token_ids for r in out]
+    assert dec.k_counts.sum(0).tolist() == _host_counts(kept, dec.K)
 
 
 class _AfterTheRead(ChoiceAhead):

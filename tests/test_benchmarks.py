@@ -268,10 +268,12 @@ def test_counted_captures_step_the_bar_and_leave_no_cycle():
 
 @pytest.mark.parametrize("item, message", [("TAIL", "NAME=VALUE"), ("decay=0.9", "upper-case"),
                                            ("NO_SUCH=1", "upper-case"), ("DECAY=fast", "Python literal"),
-                                           ("DECAY=0.9+NO_SUCH=1", "upper-case")])
+                                           ("DECAY=0.9+NO_SUCH=1", "upper-case"),
+                                           ("DECAY=0.9+decay=1", "upper-case")])
 def test_bench_auto_host_variants_parse_and_refuse_bad_input(item, message):
     """--auto-set NAME=VALUE names an auto variant and the adaptive setting it changes, with its value parsed as a
-    literal (several joined by "+", a literal's own "+" kept); a malformed item, a name the chooser lacks or a value that is not a literal is refused by name."""
+    literal (several joined by "+", a literal's own "+" kept); a malformed item, a name the chooser lacks or a
+    value that is not a literal is refused by name."""
     import bench_auto_host
 
     assert bench_auto_host.auto_variants(["DECAY=0.9", "EXPLORE_ROWS=None", "DECAY=1e+0+EXPLORE_MARGIN=0"]) == {
