@@ -66,12 +66,12 @@ ROW_PRIOR_WEIGHT = 8.0
 EXPLORE_MARGIN = 0.02
 EXPLORE_ROWS: int | None = None
 EXPLORE_SEEN = 0.25
-# With more than one busy row the K running now is kept while its priced cost is within KEEP_MARGIN of the best:
-# there the choice comes a replay late from a batch's slowly moving estimate, so near ties flipped K back and forth,
-# and each change costs (a change of graph; the new graph's next replays ran slower than the same K's fixed). On
-# one H100, two runs at B=8 greedy: 4.2 / -0.5 / 1.6% and -1.2 / 0.4 / 6.6% faster on held-out code / random bytes /
-# the two alternating; at one row, where the choice follows each replay's outcome, -1.5 / -2.0 / 0.4% (not kept
-# there). 0: the best always.
+# With more than one busy row the K running now (in the bucket priced; the engine clears ``last_k`` for another) is
+# kept while its priced cost is within KEEP_MARGIN of the best: there the choice comes a replay late from a batch's
+# slowly moving estimate, so near ties flipped K back and forth, and each change costs (a change of graph; the new
+# graph's next replays ran slower than the same K's fixed). On one H100, two runs at B=8 greedy: 4.2 / -0.5 / 1.6%
+# and -1.2 / 0.4 / 6.6% faster on held-out code / random bytes / the two alternating; at one row, where the choice
+# follows each replay's outcome, -1.5 / -2.0 / 0.4% (not kept there). 0: the best always.
 KEEP_MARGIN = 0.01
 
 

@@ -465,10 +465,13 @@ class DecoderBase(StepTimes):
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
         prices: dict = {}  # bucket: its step times as a function of length (the table is fixed during a call)
+        ran = [None]  # the bucket of the replay launched last (whose K a choice may keep)
 
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
             left = {s: max_new_tokens + len(encoded[owner[s]]) - n for s, n in lens.items()}  # tokens each has left
             bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
+            if bucket != ran[0]:
+                c.last_k = None  # another bucket's graph runs whatever K: nothing to keep
             if bucket not in prices:
                 prices[bucket] = self._prices(params.greedy, bucket)
             return c.choose(prices[bucket](sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
@@ -552,6 +555,7 @@ class DecoderBase(StepTimes):
             B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
             K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
             packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
+            ran[0] = B
             collect()  # while the replay runs
             steps += N
             if pending:

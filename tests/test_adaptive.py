@@ -875,3 +875,48 @@ def test_models_of_another_dtype_keep_another_table(llama_pair, broken):
     models = [m if broken else copy.deepcopy(m).to(torch.bfloat16) for m in (dec.target, dec.draft)]
     other = SpecDecoder(*models, dec.config, dec.tokenizer, dec.eos_token_ids)
     assert (other._timing_identity() != dec._timing_identity()) != broken
+
+
+class _KeptAcrossBuckets(KChooser):
+    """Broken: the K running stays the one to keep whatever bucket the next replay runs in."""
+
+    @property
+    def last_k(self):
+        return self.__dict__.get("_kept")
+
+    @last_k.setter
+    def last_k(self, k):
+        if k is not None:
+            self.__dict__["_kept"] = k
+
+
+@pytest.mark.parametrize("cls", [KChooser, _KeptAcrossBuckets])
+def test_the_k_kept_is_the_running_buckets(llama_pair, monkeypatch, cls):
+    """A K is kept only where the replay priced runs in the bucket of the one running: a choice for another
+    bucket (made while rows admitted into a larger one prefill) sees no K to keep. The call here changes bucket
+    (2, then 1, then 2), and choices within one bucket do see the K running."""
+    events = []
+
+    class Recorded(cls):
+        def choose(self, times, remaining=None, queued=0):
+            events.append(("choose", dec.config.bucket_for(max(remaining) + 1), self.last_k))
+            return super().choose(times, remaining, queued)
+
+    monkeypatch.setattr(runtime_mod, "KChooser", Recorded)
+    dec = _engine(llama_pair, max_batch_size=2, batch_buckets=(1, 2), admission_wait=2)
+    run = dec._run_steps
+
+    def launched(B, *rest):
+        events.append(("launch", B, None))
+        return run(B, *rest)
+    monkeypatch.setattr(dec, "_run_steps", launched)
+    # four requests in two rows, freed rows waiting a little for company: bucket 2, then 1, then 2 again
+    dec.generate(PROMPTS, 16)
+    last, across, within = None, [], []
+    for kind, bucket, kept in events:
+        if kind == "launch":
+            last = bucket
+        elif last is not None:
+            (within if bucket == last else across).append(kept)
+    assert across and any(k is not None for k in within), events
+    assert all(k is None for k in across) == (cls is KChooser), across
