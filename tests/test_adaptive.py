@@ -307,7 +307,7 @@ def test_auto_greedy_equals_hf(llama_pair, monkeypatch, broken):
     assert {a for a, k in reached if a < k} >= {0, 1, 2} and (2, 2) in reached, reached
     # the same counters under a wrong reading (positions not conditioned on the earlier drafts) differ
     assert [sum(k > j for _, k in steps) for j in range(dec.K)] != dec.k_counts.sum(0).tolist()[: dec.K]
-    monkeypatch.setattr(adaptive_mod, "KEEP_MARGIN", keep)  # the engine's own setting: other Ks, the same tokens
+    monkeypatch.setattr(adaptive_mod, "KEEP_MARGIN", keep)  # the engine's own setting: the same tokens and counts
     kept = dec.generate(PROMPTS, 32)
     assert [r.token_ids for r in kept] == [r.token_ids for r in out]
     assert dec.k_counts.sum(0).tolist() == _host_counts(kept, dec.K)
