@@ -245,13 +245,6 @@ def use_fused_linear(device: torch.device) -> bool:
     return device.type != "npu" and use_triton(device)
 
 
-def l2_prefetch(device: torch.device) -> bool:
-    """Whether kernels on `device` can ask L2 for bytes ahead of their readers (kernels/l2_prefetch.py's bulk
-    prefetch: NVIDIA sm90 and newer)."""
-    return (device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (split-K sizes its grids by them); elsewhere CPU_SMS, so that
     the interpreter runs the same split launches."""

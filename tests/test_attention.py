@@ -192,11 +192,10 @@ from spec_graph.kernels import attention as att
 
 fn = att._decode_attention_kernel
 out = {}
-for dtype, direct, block_m, prefetch in (("bf16", True, 16, 2), ("bf16", False, 32, 0), ("fp32", False, 16, 1)):
+for dtype, direct, block_m in (("bf16", True, 16), ("bf16", False, 32), ("fp32", False, 16)):
     const = dict(HAS_SLOTS=True, DIRECT=direct, IEEE=dtype == "fp32", UPCAST=False, BLOCK_M=block_m,
-                 BLOCK_N=att.BLOCK_N, BLOCK_D=128, PREFETCH=prefetch, LANES=128)
-    types = {"slots_ptr": "*i64", "pos_ptr": "*i64", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "qk_scale": "fp32",
-             "pf_a": "*bf16", "pf_b": "*bf16", "pf_a_bytes": "i64", "pf_b_bytes": "i64"}
+                 BLOCK_N=att.BLOCK_N, BLOCK_D=128)
+    types = {"slots_ptr": "*i64", "pos_ptr": "*i64", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "qk_scale": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, f"*{dtype}" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})

@@ -30,7 +30,6 @@ import torch
 from ._triton import tl, triton
 
 from .. import platform
-from .l2_prefetch import l2_prefetch, prefetch_bytes
 from .rng import block_for, use_kernel, wrap_triton
 
 BLOCK_N = 64  # keys per inner-loop block (tests lower it to walk more blocks)
@@ -43,9 +42,6 @@ LOG2E = 1.4426950408889634
 # Extra launch options of the split kernel (num_warps, num_stages). Triton's defaults (4 warps, 3 stages on
 # CUDA) with BLOCK_N 64 were the best of BLOCK_N 32/64/128 x warps 2/4/8 x stages 2/3/4 on an H200.
 LAUNCH: dict = {}
-# Attention asks L2 for up to this many bytes of the tensors a caller names (`prefetch`: the layer's next
-# weights, in the order they are read) where the device can (platform.l2_prefetch); 0: never.
-L2_PREFETCH_BYTES = 24 << 20
 
 # The kernels write -inf as float("-inf"): torch.compile re-emits a constexpr global holding it as `inf`,
 # which does not parse.
@@ -132,10 +128,8 @@ def _decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
         B, T, HKV, G, LC, WINDOW, NUM_SPLITS, qk_scale,
         sqb, sqt, sqh, sqd, sks, skh, skl, skd, svs, svh, svl, svd, spb, spt, sob, sot, soh, sod,
-        pf_a, pf_a_bytes, pf_b, pf_b_bytes,
         HAS_SLOTS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
-        LANES: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Split s of (row b, kv head j) for work items w = pid, pid + nprog, ... (grid-stride).
 
     Query rows r = g * T + t (r < G * T) are head j * G + g at position p_r = positions[b, t].
@@ -146,15 +140,9 @@ def _decode_attention_kernel(
         m_r = max_k s_rk,  l_r = sum_k 2^(s_rk - m_r),  acc_r = sum_k 2^(s_rk - m_r) v_k   (fp32, online)
         acc_r = NaN where a counted v_k is not finite; a masked one counts as 0 (as if it were not in the cache)
     DIRECT (one split): out = acc / l; else (acc, m, l) go to the workspace for the combine kernel.
-    PREFETCH (regions, 0-2): first, the programs ask L2 for bytes [0, pf_a_bytes) of pf_a and [0, pf_b_bytes)
-    of pf_b (l2_prefetch.py), the weights the next kernels read.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if PREFETCH >= 1:
-        l2_prefetch(pf_a, pf_a_bytes, pid, nprog, LANES)
-    if PREFETCH >= 2:
-        l2_prefetch(pf_b, pf_b_bytes, pid, nprog, LANES)
     qk_scale = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -294,9 +282,7 @@ def auto_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.dev
 @torch.library.triton_op("spec_graph::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                          slots: Optional[torch.Tensor], positions: torch.Tensor, window: int = 0,
-                         scale: Optional[float] = None, num_splits: int = 0,
-                         prefetch_a: Optional[torch.Tensor] = None,
-                         prefetch_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
     B, T, Hq, D, Hkv, Lc, G = attention_shapes("decode_attention", q, k_cache, v_cache, layer, slots, positions)
     if not use_kernel(_decode_attention_kernel, q):
         return decode_attention_ref(q, k_cache, v_cache, layer, slots, positions, window, scale)
@@ -316,42 +302,21 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cap = platform.max_programs(dev)
     s_q, s_k, s_v, s_o = q.stride(), kc.stride(), vc.stride(), out.stride()
     qk_scale = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
-    regions = _prefetch_regions((prefetch_a, prefetch_b), dev)
-    pf_args = [a for t, n in regions + [(out, 0)] * (2 - len(regions)) for a in (t, n)]
     wrap_triton(_decode_attention_kernel)[(max(1, min(items, cap)),)](
         q, kc, vc, pos if slots is None else slots.contiguous(), pos, out, ws_acc, ws_ml,
         B, T, Hkv, G, Lc, window if window > 0 else Lc, splits, qk_scale,
-        *s_q, *s_k, *s_v, pos.stride(0), pos.stride(1), *s_o, *pf_args,
+        *s_q, *s_k, *s_v, pos.stride(0), pos.stride(1), *s_o,
         HAS_SLOTS=slots is not None, DIRECT=direct, IEEE=q.dtype == torch.float32, UPCAST=dev.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, PREFETCH=len(regions),
-        LANES=32 * LAUNCH.get("num_warps", 4), **LAUNCH)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=D, **LAUNCH)
     if not direct:
         wrap_triton(_combine_kernel)[(max(1, min(B * Hkv * G * T, cap)),)](
             ws_acc, ws_ml, out, B, T, Hkv, G, splits, *s_o, BLOCK_S=block_for(splits), BLOCK_D=D)
     return out
 
 
-def _prefetch_regions(prefetch, dev) -> list:
-    """[(tensor, bytes)] of the tensors named (None: none), in order, within L2_PREFETCH_BYTES in all; none where
-    the device has no bulk L2 prefetch."""
-    budget = L2_PREFETCH_BYTES if any(t is not None for t in prefetch) and platform.l2_prefetch(dev) else 0
-    regions = []
-    for t in prefetch:
-        n = prefetch_bytes(t, budget)
-        if n > 0 and t.device == dev:
-            regions.append((t, n))
-            budget -= n
-    return regions
-
-
 def decode_attention(q, k_cache, v_cache, layer: int, slots, positions, window: int = 0,
-                     scale: Optional[float] = None, num_splits: int = 0, prefetch=None) -> torch.Tensor:
+                     scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] over cache slot `slots[b]` of `layer`, up to each row's live length
-    (op `spec_graph::decode_attention`; the module docstring has the contract). prefetch: tensors the next
-    kernels read (up to two: a layer's next weights), which the kernel asks into L2 as it runs; a hint that
-    changes no value."""
-    a, b = (list(prefetch or ()) + [None, None])[:2]
-    if prefetch is not None and len(prefetch) > 2:
-        raise ValueError(f"decode_attention prefetches at most two tensors (got {len(prefetch)})")
+    (op `spec_graph::decode_attention`; the module docstring has the contract)."""
     return torch.ops.spec_graph.decode_attention(q, k_cache, v_cache, int(layer), slots, positions, int(window),
-                                                 scale, int(num_splits), a, b)
+                                                 scale, int(num_splits))

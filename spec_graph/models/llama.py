@@ -217,9 +217,8 @@ class DecoderLayer(nn.Module):
         q = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, ln1.eps, cos[:, :, 0],
                                   sin[:, :, 0], attn.n_heads, attn.head_dim, k_cache, v_cache, attn.layer,
                                   slots, positions, sync)
-        # attention moves few bytes: it asks L2 for the products' weights that follow it
         out = decode_attention(q.view(B, T, attn.n_heads, attn.head_dim), k_cache, v_cache, attn.layer, slots,
-                               positions, attn.window, prefetch=(attn.o_proj.weight, mlp.gate_up_proj.weight))
+                               positions, attn.window)
         x = decode_linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias, residual=x, sync=sync)
         h = decode_gate_up(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, ln2.eps, sync=sync)
         return decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x, sync=sync)
