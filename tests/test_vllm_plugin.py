@@ -126,6 +126,26 @@ def _spec_counts(llm):
     return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
 
 
+def _stepped(llm, requests: dict, first: str) -> tuple[dict, list]:
+    """Greedy outputs of {name: (prompt, max_tokens)} served as one batch (EOS ignored), step by step; and the
+    (drafted, accepted) counts of each step after request ``first`` finished."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    for name, (prompt, n) in requests.items():
+        engine.add_request(name, {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    outs, after, before, done = {}, [], _spec_counts(llm), False
+    while engine.has_unfinished_requests():
+        finished = [o for o in engine.step() if o.finished]
+        outs.update((o.request_id, list(o.outputs[0].token_ids)) for o in finished)
+        now = _spec_counts(llm)
+        if done:
+            after.append((now[0] - before[0], now[1] - before[1]))
+        done, before = done or first in outs, now
+    return outs, after
+
+
 def _spec_stats(llm):
     """(drafted, accepted, accepted per draft position) so far."""
     m = {x.name: x for x in llm.get_metrics()}
@@ -627,14 +647,24 @@ def test_max_model_len_past_the_drafts_window_is_served_with_one_warning(models,
         llm = _llm(target, short, flag=True)
     prompts = [[5, 6, 7], list(range(2, 90)) + list(range(2, 40)), [8, 9, 10]]
     outs, counts = [], [(0, 0)]
+    # then one batch: a long request whose last steps pass the window, beside a short one that outlives it
+    long, short_p = list(range(2, 90)) + list(range(2, 14)), [8, 9, 10, 11, 12]
     try:
         d = _drafter(llm)
         assert isinstance(d, proposer.SpecGraphProposer) and not d.fallback
         for p in prompts:
             outs += _generate(llm, [p], max_tokens=24)
             counts.append(_spec_counts(llm))
+        together, after = _stepped(llm, {"long": (long, 36), "short": (short_p, 100)}, first="long")
     finally:
         _shutdown(llm)
+    # The short request's steps after the long one ended: its draft cache was prefilled again after the steps
+    # without a drafter, so the draft (the target's weights) agrees from the second step on (the first verifies
+    # the placeholders left by the last skipped step).
+    assert together == {"long": hf_greedy(target, long, 36, eos=None),
+                        "short": hf_greedy(target, short_p, 100, eos=None)}
+    drafted, accepted = (sum(c[j] for c in after[1:]) for j in (0, 1))
+    assert len(after) >= 5 and accepted > 0.9 * drafted > 0, after
     assert outs == [hf_greedy(target, p, 24, eos=1) for p in prompts]
     assert len(prompts[1]) + len(outs[1]) > 128 + K  # steps past the window
     for i in (0, 2):  # within the window: spec-graph's drafts, accepted

@@ -74,6 +74,24 @@ def test_cpu_replay_equals_recorded(fixture):
     assert core.graphs is None  # uncaptured on CPU
 
 
+def _differing_after(results, call: int) -> list:
+    return [i for i, recorded, got in results if i > call and not all(torch.equal(a, b) for a, b in zip(recorded, got))]
+
+
+def test_steps_run_without_the_drafter_leave_no_gap_in_its_cache(fixture):
+    """vLLM's runner runs a step without the drafter where the batch's longest sequence reaches past the draft's
+    window. Two such steps in a row (calls 8-11: every row commits tokens the draft cache never got): told of
+    them, the core prefills the rows again at their next step, and every later call gives the recorded results,
+    as if the drafter had run throughout. A core that ignores them keeps the gap: its drafts part from those."""
+    skipped = (9, 11)
+    core = new_core(fixture, "cpu", plat=platform.Platform("cpu"))
+    assert _differing_after(replay(fixture, core, skipped=skipped), max(skipped)) == []
+
+    deaf = new_core(fixture, "cpu", plat=platform.Platform("cpu"))
+    deaf.drafts_skipped = lambda: None
+    assert 13 in _differing_after(replay(fixture, deaf, skipped=skipped), max(skipped))
+
+
 def test_cpu_compiled_chain_replay_equals_recorded(fixture):
     """Without graphs, decode steps run the chain compiled by the spec_graph backend (compiled once, in the
     warm-up: every decode batch pads to bucket 4, so padding rows are exercised too); same tokens as eager."""

@@ -155,10 +155,17 @@ def new_core(fixture: Fixture, device, buckets=None, plat=None, compile_chain=Fa
                      compile_chain=compile_chain)
 
 
-def replay(fixture: Fixture, core) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
-    """Run every recorded call through ``core`` in order; [(call index, recorded outputs, replayed outputs)]."""
+def replay(fixture: Fixture, core, upto: int | None = None,
+           skipped: tuple = ()) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+    """Run the recorded calls (those before ``upto``; all without it) through ``core`` in order; [(call index,
+    recorded outputs, replayed outputs)]. The steps whose propose call is in ``skipped`` run as vLLM's runner
+    runs a step past the draft's window: neither of their calls, and ``core.drafts_skipped()`` in their place."""
     results = []
-    for i, call in enumerate(fixture.calls):
+    for i, call in enumerate(fixture.calls[:upto]):
+        if i in skipped or i + 1 in skipped:
+            if i in skipped:
+                core.drafts_skipped()
+            continue
         out = getattr(core, call["fn"])(**fixture.args(i, core.device))
         outs = out if isinstance(out, tuple) else (out,)
         results.append((i, fixture.outputs(i), [o.cpu() for o in outs]))

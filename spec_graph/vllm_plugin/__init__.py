@@ -73,6 +73,20 @@ The patches of vLLM and vllm-ascend (each also documented where it is applied be
    ``draft_model`` (then spec-graph's drafter is built there), or when V1 is
    removed (then this patch must become that V2 drafter).
 
+5. The runner's ``_input_fits_in_drafter`` is wrapped on each runner whose
+   drafter is spec-graph's (an attribute of that instance; the class is left
+   alone), in ``SpecGraphProposer.load_model``.
+   Why: the runner skips its drafter for a whole step when the batch's longest
+   sequence reaches past the draft's window, and tells the drafter nothing, so
+   the rows of that step would keep a gap in the draft cache where their
+   committed tokens were never fed (their drafts then mostly rejected for the
+   rest of the request).
+   How: the wrapper returns the original's answer and, when it is False, tells
+   the drafter (``DraftCore.drafts_skipped``), which prefills those rows' prefixes
+   again at their next step.
+   When it can go: when vLLM calls the drafter (or a hook of it) on the steps
+   it skips.
+
 Besides these, ``proposer.SpecGraphProposer`` only overrides methods of its
 parent class (no patching): it lifts ``_raise_if_padded_drafter_batch_disabled``
 (vLLM 0.32 refuses ``disable_padded_drafter_batch`` for draft models; spec-graph

@@ -195,6 +195,12 @@ class DraftCore:
         return count_valid(sampled, discard, self.backup, slot_t, vocab_size)
 
     # ------------------------------------------------------------------ propose
+    def drafts_skipped(self) -> None:
+        """The target ran a step without this drafter (vLLM's runner skips it for a whole batch whose longest
+        sequence reaches past the draft's window): that step's rows committed tokens whose keys and values the
+        draft cache never got, so each counts as missed by the previous step and is prefilled again."""
+        self.step += 1
+
     def _prefill_missing(self, slots, pos0, token_ids) -> None:
         """Prefill the whole prefix of rows that are new, resumed, or were missed by the previous step."""
         for i, slot in enumerate(slots):
@@ -485,11 +491,30 @@ class VllmAdapter:
         compiles = int(getattr(self.vllm_config.compilation_config, "mode", 0) or 0) != 0
         self.core = DraftCore(model, K, self.max_slots, self.max_model_len, buckets=self.settings.batch_buckets,
                               compile_chain=compiles)
+        self._watch_skipped_drafts()
         how = ("captured graphs" if self.core.platform.supports_graphs else
                "a compiled chain" if self.core.compile_chain else "eager forwards")
         use_vllm_log_handlers()  # an offline LLM configures vLLM's log output after the plugin registered
         log.info("spec-graph: drafting with SpecGraphProposer: draft %s (%s), K=%d, batch buckets %s, %s on %s",
                  path, args.architecture, K, list(self.core.buckets), how, self.device)
+
+    def _watch_skipped_drafts(self) -> None:
+        # Patch 5 (vllm_plugin/__init__.py): this runner's fit check, wrapped so that the core hears of the steps
+        # the runner takes without calling the drafter.
+        fits = getattr(self.runner, "_input_fits_in_drafter", None)
+        if fits is None:
+            return
+        fits = getattr(fits, "__wrapped__", fits)
+        core = self.core
+
+        def _input_fits_in_drafter(common_attn_metadata):
+            ok = fits(common_attn_metadata)
+            if not ok:
+                core.drafts_skipped()
+            return ok
+
+        _input_fits_in_drafter.__wrapped__ = fits
+        self.runner._input_fits_in_drafter = _input_fits_in_drafter
 
     # The runner wires vLLM's attention machinery into its drafter; spec-graph's draft has none.
     def dummy_run(self, *args, **kwargs):
