@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -401,9 +402,27 @@ def _log_to_stderr() -> None:
         logger.addHandler(h)
 
 
+_ID_LISTS = ("--prompt-ids", "--stop-token-ids")
+
+
+def _id_lists_joined(argv: list[str]) -> list[str]:
+    """``--prompt-ids -1,2`` as ``--prompt-ids=-1,2``: argparse reads a value that starts with '-' and is not a
+    plain number as an option, and would answer "expected one argument" instead of naming the bad id."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _ID_LISTS and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(_id_lists_joined(list(sys.argv[1:] if argv is None else argv)))
     if unknown:  # named by the command's parser, so that its help is the one pointed to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     _log_to_stderr()
@@ -417,6 +436,9 @@ def main(argv=None) -> int:
     except (OSError, RuntimeError) as e:
         print(f"spec-graph: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("spec-graph: interrupted", file=sys.stderr)
+        return 130
 
 
 def _one_line(e: BaseException) -> str:

@@ -20,6 +20,7 @@ from .config import SpecGraphConfig, beyond_window_warning, check_device, check_
 from .models import load_model, parse_dtype, read_config
 from .models.config import eos_token_ids, pair_window, window_source
 from .models.llama import kv_cache_bytes
+from .prompts import MAX_STOP_IDS
 # GenerationOutput/Result/Stats: spec_graph/__init__.py exports them from this module
 from .results import GenerationOutput, GenerationResult, GenerationStats  # noqa: F401
 from .runtime import WRITEBACK, DecoderBase, load_tokenizer
@@ -62,7 +63,7 @@ def _eos_ids(path: str, args) -> set[int]:
     exists (config.json's are then not used, and a file without the field names none), else config.json's."""
     gen = Path(path) / "generation_config.json"
     if not gen.is_file():
-        return {int(i) for i in args.eos_token_ids}
+        return _few_enough({int(i) for i in args.eos_token_ids}, Path(path) / "config.json")
     try:
         cfg = json.loads(gen.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -70,7 +71,14 @@ def _eos_ids(path: str, args) -> set[int]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{gen} must hold a JSON object (such as {{\"eos_token_id\": 2}}), got "
                          f"{type(cfg).__name__}")
-    return {int(i) for i in eos_token_ids(cfg.get("eos_token_id"), str(gen))}
+    return _few_enough({int(i) for i in eos_token_ids(cfg.get("eos_token_id"), str(gen))}, gen)
+
+
+def _few_enough(ids: set[int], where: Path) -> set[int]:
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"{where}: field 'eos_token_id' names {len(ids)} EOS ids, but a request takes at most "
+                         f"{MAX_STOP_IDS} stop ids in all: shorten that list")
+    return ids
 
 
 def _check_kv_memory(config: SpecGraphConfig, models, plat) -> None:

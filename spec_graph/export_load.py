@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import platform
-from .config import SpecGraphConfig, cache_length, check_path_arg, is_int
+from .config import SpecGraphConfig, cache_length, check_device, check_path_arg, is_int
 from .elf import static_cxx_runtime
 from .runtime import DecoderBase
 from .step import STATE_FIELDS
@@ -230,6 +230,7 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
     """
     from safetensors.torch import load as st_load
 
+    check_device(device)
     meta = read_metadata(path)
     path = Path(path)
     want, built = (torch.device(device).type if device else meta["device"]), meta["device"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -79,6 +80,13 @@ class StepTimes:
             steps = {(bool(g), int(b), int(k)): (float(v[0]), float(v[1])) if isinstance(v, list) else float(v)
                      for g, b, k, v in data["steps"]}
             host = {(bool(g), int(b)): float(v) for g, b, v in data["host"]}
+            for key, v in steps.items():  # a price must be one a timing could give: finite, positive at length 16
+                base, per = v if isinstance(v, tuple) else (v, 0.0)
+                if not (math.isfinite(base) and math.isfinite(per) and per >= 0 and base + 16 * per > 0):
+                    raise ValueError(f"step {list(key)} priced {v}")
+            for key, v in host.items():
+                if not (math.isfinite(v) and v >= 0):
+                    raise ValueError(f"host share {list(key)} of {v}")
         except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
             log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
             return {}, {}

@@ -849,6 +849,29 @@ def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
     assert second.step_times[(True, 1, 1)] == (5.0, 0.0)  # the caller's entry stays in its table
 
 
+@pytest.mark.parametrize("steps,host", [
+    ([[True, 1, 1, float("nan")]], []), ([[True, 1, 2, -1.0]], []), ([[True, 1, 3, [1e9, float("inf")]]], []),
+    ([[True, 1, 4, 0]], []), ([[True, 1, 1, [0.001, -1e-6]]], []), ([], [[True, 1, float("nan")]]),
+    ([], [[True, 1, -0.5]]),
+])
+def test_a_kept_table_with_prices_no_timing_gives_is_ignored(tmp_path, monkeypatch, caplog, steps, host):
+    """A kept table is read as its engine wrote it: a price no timing could give (not finite, not positive at
+    length 16, a negative slope or host share) steers K with nothing behind it, so the file is ignored with a
+    warning and its steps are timed again. Control: a plausible table, with a fit whose base is negative (a
+    steep slope), is read."""
+    monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
+    table = _Table()
+    path = table._times_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"steps": steps, "host": host}))
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        assert table._read_times(path) == ({}, {})
+    assert any("ignoring the step-time table" in r.getMessage() for r in caplog.records)
+    path.write_text(json.dumps({"steps": [[True, 1, 1, [-0.001, 0.0001]], [True, 1, 2, 0.002]],
+                                "host": [[True, 1, 0.0]]}))
+    assert table._read_times(path) == ({(True, 1, 1): (-0.001, 0.0001), (True, 1, 2): 0.002}, {(True, 1): 0.0})
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_failed_save_leaves_no_file_behind(tmp_path, monkeypatch, broken):
     """A save whose rename fails (a full disk, say) leaves the cache as it found it, and the engine goes on

@@ -439,3 +439,39 @@ def test_the_package_lists_its_lazy_names():
     import spec_graph
 
     assert {"SpecDecoder", "SpecGraphConfig", "export_pair", "__version__"} <= set(dir(spec_graph))
+
+
+@pytest.mark.parametrize("flag", ["--prompt-ids", "--stop-token-ids"])
+def test_a_negative_id_list_is_named_not_read_as_an_option(capsys, flag):
+    """`--prompt-ids -1,2` (a value argparse would take for an option: "expected one argument") names the bad id,
+    as `--prompt-ids=-1,2` does. Control: a plain negative number after another flag is still refused by name."""
+    argv = ["generate", "--max-new-tokens", "2"] + (["--prompt-ids", "5,6"] if flag != "--prompt-ids" else [])
+    code, _, err = run_cli(capsys, *argv, flag, "-1,2")
+    assert code == 2 and "expected one argument" not in err and "-1" in err and "out of range" in err, err
+    code, _, err = run_cli(capsys, *argv, f"{flag}=-1,2")
+    assert code == 2 and "out of range" in err
+
+
+def test_an_interrupt_ends_with_one_line(capsys, monkeypatch):
+    """Ctrl-C during a run: one line and exit code 130 (as a shell reports SIGINT), not a traceback from inside
+    torch. Control: the same run without the interrupt."""
+    import spec_graph.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_info", interrupted)
+    code, out, err = run_cli(capsys, "info")
+    assert code == 130 and err.strip() == "spec-graph: interrupted" and "Traceback" not in err + out
+    monkeypatch.setattr(cli, "_info", lambda: 0)
+    assert run_cli(capsys, "info")[:3:2] == (0, "")
+
+
+@pytest.mark.parametrize("device", ["npu", "bogus", 5])
+def test_load_exported_names_a_bad_device(device, tmp_path):
+    """load_exported refuses a device as the engine does (check_device's one line), before it reads the file."""
+    from spec_graph import load_exported
+
+    with pytest.raises(ValueError, match="device") as e:
+        load_exported(tmp_path / "missing.pt2", device=device)
+    assert "Expected one of" not in str(e.value) and "accelerator" not in str(e.value)

@@ -234,6 +234,8 @@ def test_architecture_from_model_type(model_type, arch):
     ('{"eos_token_id": 2.7}', "got 2.7"),
     ('{"eos_token_id": true}', "got True"),
     ('{"eos_token_id": -1}', "got -1"),
+    ('{"eos_token_id": 1180591620717411303424}', "0 <= id < 2\\*\\*63"),  # past int64: torch could not hold it
+    ('{"eos_token_id": %s}' % list(range(2, 79)), "names 77 EOS ids, but a request takes at most 64 stop ids"),
     ("[1, 2]", "must hold a JSON object"),
     ("{not json", "is not valid JSON"),
 ])

@@ -366,6 +366,11 @@ def test_bad_device_names_the_project_message(llama_pair, device, needle):
     (dict(rope_theta=None, rope_parameters={"rope_theta": -1.0}), "'rope_parameters.rope_theta' must be a positive"),
     (dict(rms_norm_eps="tiny"), "'rms_norm_eps' must be a positive number"),
     (dict(eos_token_id="</s>"), "'eos_token_id' must be a token id"),
+    (dict(eos_token_id=2**64), "'eos_token_id' must be a token id"),
+    # HF's config classes refuse these; bool("false") would drop the head or ask for biases there are none of
+    (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    (dict(mlp_bias="false"), "'mlp_bias' must be true or false"),
+    (dict(attention_bias=0), "'attention_bias' must be true or false"),
     (dict(architectures="GPT2LMHeadModel"), "unsupported architecture 'GPT2LMHeadModel'"),
     (dict(architectures={"a": 1}), "'architectures' must be a list"),
 ])
@@ -379,9 +384,11 @@ def test_malformed_config_names_file_and_field(tmp_path, fields, needle):
 def test_intact_config_still_loads(tmp_path):
     """The control: the same edits with valid values load (null head_dim / kv heads take their defaults)."""
     path = _set_config(make_checkpoint(tmp_path / "m"), head_dim=None, num_key_value_heads=None,
-                       hidden_size=64.0, max_position_embeddings=_DROP)
+                       hidden_size=64.0, max_position_embeddings=_DROP, mlp_bias=False, attention_bias=None,
+                       eos_token_id=2**63 - 1)
     args = read_config(path)[1]
     assert (args.head_dim, args.num_kv_heads, args.window) == (16, 4, 2048)
+    assert (args.mlp_bias, args.qkv_bias, args.eos_token_ids) == (False, False, (2**63 - 1,))
 
 
 def test_malformed_tokenizer_names_the_file(tmp_path, llama_pair):
@@ -601,3 +608,25 @@ def test_nan_draft_sampling_rejects_a_broken_sampler(nan_sampling, monkeypatch):
     monkeypatch.setattr(step_mod, "rejection_sample", _always_accept)
     dec, joint = nan_sampling
     assert _pvalue(dec, joint, 3) < 0.01
+
+
+def test_a_tied_config_with_its_own_head_keeps_that_head_as_transformers_does(tmp_path, caplog):
+    """config.json says tie_word_embeddings, but the checkpoint stores an lm_head with other values: transformers
+    (5.x) keeps that head apart, with a warning, so its greedy output is that head's; so is spec-graph's, with a
+    warning per model. Control: a stored head equal to the embedding is tied without a word."""
+    path = _set_config(make_checkpoint(tmp_path / "m", tie_word_embeddings=False), tie_word_embeddings=True)
+    prompt = [5, 9, 14, 3]
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        out = _decoder(path, path, max_len=64).generate([prompt], 12)[0].token_ids
+    assert out == hf_greedy(path, prompt, 12)
+    # one warning per model read: the target and the draft are this checkpoint
+    assert sum("stores a head with other values" in r.getMessage() for r in caplog.records) == 2
+    caplog.clear()
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        model = load_model(path)
+    assert model.lm_head is None and not any("other values" in r.getMessage() for r in caplog.records)

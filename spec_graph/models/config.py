@@ -135,7 +135,7 @@ class ModelArgs:
 
         theta, rope_scaling = _rope(cfg, where)
 
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = _bool_field(cfg, "attention_bias", where)
         qkv_bias = attention_bias
         o_bias = attention_bias
         if arch == "Qwen2ForCausalLM":
@@ -171,10 +171,10 @@ class ModelArgs:
             rms_norm_eps=_float_field(cfg, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", where),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            mlp_bias=_bool_field(cfg, "mlp_bias", where) and arch == "LlamaForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=windows,
             max_position_embeddings=window,
@@ -194,9 +194,21 @@ def _left_out(given: dict, arch: str, name: str) -> str:
 def eos_token_ids(eos, where: str) -> list[int]:
     """An 'eos_token_id' field (of config.json or generation_config.json): a token id, a list of them, or null."""
     eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not all(_json_int(e) and e >= 0 for e in eos_list):
-        raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
+    if not all(_json_int(e) and 0 <= e < 2**63 for e in eos_list):
+        raise ValueError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r} "
+                         f"(each id 0 <= id < 2**63)")
     return [int(e) for e in eos_list]
+
+
+def _bool_field(cfg: dict, name: str, where: str, default: bool = False) -> bool:
+    """cfg[name] as JSON's true or false (`default` when absent or null); a string such as "false" is refused, as
+    Hugging Face's config classes refuse it (bool("false") would be True)."""
+    v = cfg.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: field {name!r} must be true or false (a JSON boolean), got {v!r}")
+    return v
 
 
 def _json_int(v) -> bool:

@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors) into a Transformer."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import torch
 from .config import ModelArgs
 from ..kernels.counters import new_sync
 from .llama import Transformer, rope_inv_freq
+
+log = logging.getLogger("spec_graph")
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -108,12 +112,20 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     _, args = read_config(path)
     dtype, device = parse_dtype(dtype), torch.device(device)
     state = read_state_dict(path)
+    if args.tie_word_embeddings and "lm_head.weight" in state:
+        head, emb = state["lm_head.weight"], state.get("model.embed_tokens.weight")
+        if emb is not None and head.shape == emb.shape and not torch.equal(head, emb):
+            # as transformers (5.x) loads it: a head stored apart, with other values, is not tied to the embedding
+            log.warning("spec-graph: %s: config.json ties the head to the embedding, but the checkpoint stores a "
+                        "head with other values; using that head, as transformers does (set tie_word_embeddings "
+                        "to false to silence this)", path)
+            args = dataclasses.replace(args, tie_word_embeddings=False)
+        else:
+            state.pop("lm_head.weight")
     with torch.device("meta"):
         model = Transformer(args)
     layout = _checkpoint_layout(model)
     expected = {hf: shape for parts in layout.values() for hf, shape in parts}
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     unexpected = [k for k in state if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
     missing = [k for k in expected if k not in state]
     if missing or unexpected:
