@@ -439,6 +439,7 @@ class DecoderBase(StepTimes):
                              f"{cfg.max_batch_size} past the engine's {self.rows} rows: give a bucket of at most "
                              f"{self.rows} that holds it, or build a new engine")
         cfg.steps_per_graph = checked_steps_per_graph(cfg.steps_per_graph)
+        self._check_time_tables()
 
     def _generate(self, encoded: list[list[int]], max_new_tokens: int, params: SamplingParams, seed: int,
                   stop_set: set[int], progress) -> GenerationOutput:

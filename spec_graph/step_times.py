@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import numbers
 import os
 import tempfile
 import time
@@ -57,6 +58,21 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plausible_step(v) -> bool:
+    """A step's price as a timing gives it: seconds, or (base_s, per_position_s) with a slope >= 0, positive at
+    length 16 (a steep fit's base may be negative)."""
+    base, per = v if isinstance(v, tuple) and len(v) == 2 else (v, 0.0)
+    return _number(base) and _number(per) and per >= 0 and base + 16 * per > 0
+
+
+def plausible_host(v) -> bool:
+    return _number(v) and v >= 0
+
+
 class StepTimes:
     """``step_times`` {(greedy, bucket, K): (base_s, per_position_s) or seconds} and ``host_times``
     {(greedy, bucket): seconds per replay}, both measured where the engine captured the steps; entries a caller
@@ -80,17 +96,31 @@ class StepTimes:
             steps = {(bool(g), int(b), int(k)): (float(v[0]), float(v[1])) if isinstance(v, list) else float(v)
                      for g, b, k, v in data["steps"]}
             host = {(bool(g), int(b)): float(v) for g, b, v in data["host"]}
-            for key, v in steps.items():  # a price must be one a timing could give: finite, positive at length 16
-                base, per = v if isinstance(v, tuple) else (v, 0.0)
-                if not (math.isfinite(base) and math.isfinite(per) and per >= 0 and base + 16 * per > 0):
+            for key, v in steps.items():
+                if not plausible_step(v):
                     raise ValueError(f"step {list(key)} priced {v}")
             for key, v in host.items():
-                if not (math.isfinite(v) and v >= 0):
+                if not plausible_host(v):
                     raise ValueError(f"host share {list(key)} of {v}")
         except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
             log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
             return {}, {}
         return steps, host
+
+    def _check_time_tables(self) -> None:
+        """The tables a caller may set (``step_times`` {(greedy, bucket, K): seconds or (base_s, per_position_s)},
+        ``host_times`` {(greedy, bucket): seconds}) hold prices a timing could give, or a ValueError names the
+        entry (a string or NaN there would fail deep in the chooser, or steer K with nothing behind it)."""
+        for name, table, key_len, ok, form in (
+                ("step_times", self.step_times, 3, plausible_step,
+                 "seconds per step, or (base_s, per_position_s) with per_position_s >= 0, positive at length 16"),
+                ("host_times", self.host_times, 2, plausible_host, "seconds >= 0")):
+            if not isinstance(table, dict):
+                raise ValueError(f"{name} must be a dict, got {type(table).__name__}: clear it or set entries of it")
+            for key, v in table.items():
+                if not (isinstance(key, tuple) and len(key) == key_len) or not ok(v):
+                    raise ValueError(f"{name}[{key!r}] = {v!r} is no price: a key is a tuple of {key_len}, a value "
+                                     f"finite {form}")
 
     def _load_times(self, overwrite: bool = False, kept: tuple[dict, dict] | None = None) -> None:
         """Entries the table's file holds for this identity (or ``kept``, as read from it), where the caller has

@@ -849,6 +849,33 @@ def test_tables_saved_by_two_engines_keep_both(tmp_path, monkeypatch, broken):
     assert second.step_times[(True, 1, 1)] == (5.0, 0.0)  # the caller's entry stays in its table
 
 
+@pytest.mark.parametrize("table,key,value,needle", [
+    ("step_times", (True, 1, 2), "fast", r"step_times\[\(True, 1, 2\)\] = 'fast' is no price"),
+    ("step_times", (True, 1, 2), float("nan"), "is no price"),
+    ("step_times", (True, 1, 2), (1.0, -0.5), "is no price"),
+    ("step_times", (True, 1), 1.0, "a key is a tuple of 3"),
+    ("host_times", (True, 1), "slow", r"host_times\[\(True, 1\)\] = 'slow' is no price"),
+    ("host_times", (True, 1), -1.0, "is no price"),
+    ("step_times", None, None, "step_times must be a dict, got NoneType"),
+])
+def test_time_tables_a_caller_sets_are_checked(llama_pair, table, key, value, needle):
+    """dec.step_times / dec.host_times, which a caller may set: an entry that is no price is a ValueError naming
+    it, before the call runs (not a TypeError from inside the chooser, nor a NaN that steers K). Control: the
+    engine runs once the entry is a price again."""
+    dec = _engine(llama_pair)
+    if key is None:
+        setattr(dec, table, value)
+    else:
+        getattr(dec, table)[key] = value
+    with pytest.raises(ValueError, match=needle):
+        dec.generate(PROMPTS[:1], 4)
+    if key is None:
+        setattr(dec, table, {})
+    else:
+        del getattr(dec, table)[key]
+    assert dec.generate(PROMPTS[:1], 4)[0].token_ids == hf_greedy(llama_pair[0], PROMPTS[0], 4)
+
+
 @pytest.mark.parametrize("steps,host", [
     ([[True, 1, 1, float("nan")]], []), ([[True, 1, 2, -1.0]], []), ([[True, 1, 3, [1e9, float("inf")]]], []),
     ([[True, 1, 4, 0]], []), ([[True, 1, 1, [0.001, -1e-6]]], []), ([], [[True, 1, float("nan")]]),
