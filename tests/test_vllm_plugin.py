@@ -170,6 +170,9 @@ def test_parse_settings():
         parse({"enable_spec_graph": True, "spec_graph": {"bogus": 1}})
     with pytest.raises(ValueError, match="must be true or false"):
         parse({"enable_spec_graph": "yes"})
+    # a quoted "true" gets the unquoted form to write, not only "got 'true'" (which reads as if it were taken)
+    with pytest.raises(ValueError, match=r"got 'true': write \{\"enable_spec_graph\": true\}, the JSON boolean"):
+        parse({"enable_spec_graph": "true"})
     for bad in ([0], [], "4", [2, True], [1.0]):
         with pytest.raises(ValueError, match=r"additional_config\['spec_graph'\]\['batch_buckets'\] must be a "
                                              r"non-empty list of positive integers"):

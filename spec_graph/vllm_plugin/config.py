@@ -47,7 +47,10 @@ def parse(additional_config) -> PluginSettings:
     _warn_near_misses(extra)
     flag = extra.get(FLAG, False)
     if not isinstance(flag, bool):
-        raise ValueError(f"additional_config[{FLAG!r}] must be true or false, got {flag!r}")
+        raise ValueError(f"additional_config[{FLAG!r}] must be true or false, got {flag!r}"
+                         + (f": write {{\"{FLAG}\": {str(flag).strip().lower()}}}, the JSON boolean unquoted"
+                            if isinstance(flag, str) and flag.strip().lower() in ("true", "false") else
+                            f": write {{\"{FLAG}\": true}} (a JSON boolean)"))
     section = extra.get(SECTION)
     if section is None:
         return PluginSettings(enabled=flag)
