@@ -1,6 +1,7 @@
 """SpecGraphConfig: everything that shapes the engine's static graphs."""
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import reprlib
@@ -191,6 +192,11 @@ def spelled(v):
 def is_int(v) -> bool:
     """An integer that is not a bool (numpy integers included)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A finite real number that is not a bool (numpy scalars included)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 def check_path_arg(value, must_be: str) -> None:

@@ -6,12 +6,12 @@ same code runs eagerly, compiled and inside captured graphs.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .config import is_int, is_real
 
 # Block length of the two-level cumsum below. Inductor lowers a cumsum over a long row with few rows
 # (a 32000-token vocab at small batch) to a split scan, whose Triton codegen fails on torch 2.11 CUDA;
@@ -19,11 +19,6 @@ import torch.nn.functional as F
 SCAN_BLOCK = 1024
 # The largest temperature the per-row float32 state can hold (beyond it every distribution is uniform anyway).
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _is_real(v) -> bool:
-    """A finite real number that is not a bool (numpy scalars included)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 @dataclass(frozen=True)
@@ -36,11 +31,11 @@ class SamplingParams:
         # Checked before any arithmetic: a bool, a string, None, inf or nan is a ValueError naming the
         # parameter, not a TypeError / OverflowError from deep inside torch. Stored as Python floats.
         t, p, k = self.temperature, self.top_p, self.top_k
-        if not _is_real(t) or not 0.0 <= float(t) <= FLOAT32_MAX:
+        if not is_real(t) or not 0.0 <= float(t) <= FLOAT32_MAX:
             raise ValueError(f"temperature must be a finite number in [0, {FLOAT32_MAX:.1e}] (0 = greedy), got {t!r}")
-        if not _is_real(p) or not 0.0 < float(p) <= 1.0:
+        if not is_real(p) or not 0.0 < float(p) <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
-        if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0:
+        if not is_int(k) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))

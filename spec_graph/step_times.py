@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import numbers
 import os
 import tempfile
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 from . import platform as _platform
+from .config import is_real
 from .adaptive import ChoiceAhead, KChooser
 
 # each K's step is timed at a short and at this live length (or max_len / 2 if shorter), and interpolated
@@ -58,19 +57,15 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def plausible_step(v) -> bool:
     """A step's price as a timing gives it: seconds, or (base_s, per_position_s) with a slope >= 0, positive at
     length 16 (a steep fit's base may be negative)."""
     base, per = v if isinstance(v, tuple) and len(v) == 2 else (v, 0.0)
-    return _number(base) and _number(per) and per >= 0 and base + 16 * per > 0
+    return is_real(base) and is_real(per) and per >= 0 and base + 16 * per > 0
 
 
 def plausible_host(v) -> bool:
-    return _number(v) and v >= 0
+    return is_real(v) and v >= 0
 
 
 class StepTimes:

@@ -47,10 +47,10 @@ def parse(additional_config) -> PluginSettings:
     _warn_near_misses(extra)
     flag = extra.get(FLAG, False)
     if not isinstance(flag, bool):
-        raise ValueError(f"additional_config[{FLAG!r}] must be true or false, got {flag!r}"
-                         + (f": write {{\"{FLAG}\": {str(flag).strip().lower()}}}, the JSON boolean unquoted"
-                            if isinstance(flag, str) and flag.strip().lower() in ("true", "false") else
-                            f": write {{\"{FLAG}\": true}} (a JSON boolean)"))
+        quoted = isinstance(flag, str) and flag.strip().lower() in ("true", "false")
+        how = (f"{{\"{FLAG}\": {flag.strip().lower()}}}, the JSON boolean unquoted" if quoted else
+               f"{{\"{FLAG}\": true}} (a JSON boolean)")
+        raise ValueError(f"additional_config[{FLAG!r}] must be true or false, got {flag!r}: write {how}")
     section = extra.get(SECTION)
     if section is None:
         return PluginSettings(enabled=flag)
