@@ -38,7 +38,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import random
 import shutil
 import sys

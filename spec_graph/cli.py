@@ -426,6 +426,7 @@ def main(argv=None) -> int:
     if unknown:  # named by the command's parser, so that its help is the one pointed to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     _log_to_stderr()
+    _escape_unencodable(sys.stdout)
     try:
         if args.command == "generate":
             return _generate(args)
@@ -439,6 +440,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("spec-graph: interrupted", file=sys.stderr)
         return 130
+
+
+def _escape_unencodable(stream) -> None:
+    """Text a non-UTF stdout cannot hold (generated text on an ASCII or Latin-1 terminal) is written as Python
+    escapes (\\u00e9), as Python writes stderr, rather than lost to an encode error after the run."""
+    encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    if not encoding.startswith("utf") and getattr(stream, "errors", None) == "strict" and \
+            hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="backslashreplace")
 
 
 def _one_line(e: BaseException) -> str:

@@ -174,9 +174,13 @@ def checked_buckets(bb, name: str = "batch_buckets") -> tuple[int, ...]:
     return tuple(sorted({int(b) for b in bb}))
 
 
+MAX_STEPS_PER_GRAPH = 64  # steps unrolled in one captured graph, whose compile and capture grow with them
+
+
 def checked_steps_per_graph(n, name: str = "steps_per_graph") -> int:
-    if not is_int(n) or n < 1:
-        raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    if not is_int(n) or not 1 <= n <= MAX_STEPS_PER_GRAPH:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_STEPS_PER_GRAPH} (steps in one graph replay), "
+                         f"got {n!r}")
     return int(n)
 
 

@@ -129,6 +129,8 @@ def _spans(sizes: list[int]) -> str:
 class ExportedRunner(DecoderBase):
     """``generate(...)`` as ``SpecDecoder``'s, over the AOTInductor artifacts of an export."""
 
+    FRESH = "load the export again (load_exported)"
+
     def __init__(self, meta: dict, weights: tuple, prefill, steps: dict, config: SpecGraphConfig, plat,
                  tokenizer, workdir, path: Path):
         self.metadata, self.path, self.weights = meta, path, weights
@@ -180,11 +182,11 @@ class ExportedRunner(DecoderBase):
 
     def _too_long(self, i: int, n: int, max_new_tokens: int) -> None:
         # The base advises raising max_len (--max-len), which an export fixes: here, to export again.
-        if self.config.max_len < self.metadata["max_len"]:  # lowered on the runner: it may be raised back
+        need, exported = n + max_new_tokens, self.metadata["max_len"]
+        if need <= exported:  # max_len lowered on the runner: it may be raised back that far
             return super()._too_long(i, n, max_new_tokens)
-        need = n + max_new_tokens
         msg = f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {need} > max_len=" \
-              f"{self.config.max_len}, which the export fixed: "
+              f"{exported}, which the export fixed: "
         if self.window is not None and need > self.window:  # past what the models were trained on
             raise ValueError(msg + f"that is past the models' window ({self.window} positions): shorten the prompt "
                                    "or lower max_new_tokens")
@@ -235,6 +237,8 @@ def load_exported(path, device: str | None = None, max_batch_size: int | None = 
     path = Path(path)
     want, built = (torch.device(device).type if device else meta["device"]), meta["device"]
     if want != built:
+        if device:
+            platform.get(device)  # a device this machine lacks is named as such: no export would run on it
         raise ExportError(f"{path} was exported for device {built!r}, not {want!r}: run it on {built}, or export "
                           f"again with --device {want}")
     try:

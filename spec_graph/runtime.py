@@ -416,13 +416,18 @@ class DecoderBase(StepTimes):
         with self._generate_lock:
             return self._generate(encoded, max_new_tokens, params, int(seed), stop_set, progress)
 
+    FRESH = "build a new engine"  # what gives another engine (a loaded export: loading it again)
+
     def _rebuild_hint(self, field: str, value=None) -> str:
-        return f"build a new engine for this value (SpecGraphConfig({field}=...))"
+        return f"{self.FRESH} for this value (SpecGraphConfig({field}=...))"
 
     def _check_config(self) -> None:
         """Config fields set on a built engine (config.FIXED_FIELDS): a change it cannot take is a ValueError; new
         batch buckets or steps_per_graph are taken, with the graphs captured again for them."""
         cfg = self.config
+        if not isinstance(cfg, SpecGraphConfig):
+            raise ValueError(f"config was set to {type(cfg).__name__} on a built engine: set fields of its "
+                             f"SpecGraphConfig (dec.config.max_len = ...), or {self.FRESH} for another one")
         for f, was in self._built.items():
             now = getattr(cfg, f)
             if f in SPELLED_FIELDS and spelled(now) == was:
@@ -437,7 +442,7 @@ class DecoderBase(StepTimes):
         if cfg.bucket_for(cfg.max_batch_size) > self.rows:
             raise ValueError(f"batch_buckets {list(cfg.batch_buckets)} pads a batch of max_batch_size="
                              f"{cfg.max_batch_size} past the engine's {self.rows} rows: give a bucket of at most "
-                             f"{self.rows} that holds it, or build a new engine")
+                             f"{self.rows} that holds it, or {self.FRESH}")
         cfg.steps_per_graph = checked_steps_per_graph(cfg.steps_per_graph)
         self._check_time_tables()
 

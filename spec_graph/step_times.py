@@ -81,9 +81,10 @@ class StepTimes:
         ident, d = self._timing_identity(), cache_dir()
         return None if ident is None or d is None else d / f"{ident}.json"
 
-    def _read_times(self, path: Path) -> tuple[dict, dict]:
+    def _read_times(self, path: Path, warn: bool = True) -> tuple[dict, dict]:
         """(step entries, host entries) of a table's file; empty where it is missing, unreadable or malformed (its
-        steps are then timed again and the file rewritten)."""
+        steps are then timed again and the file rewritten; `warn`: say so, as a load does once, not the save that
+        replaces it)."""
         if not path.is_file():
             return {}, {}
         try:
@@ -98,7 +99,8 @@ class StepTimes:
                 if not plausible_host(v):
                     raise ValueError(f"host share {list(key)} of {v}")
         except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
-            log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
+            if warn:
+                log.warning("spec-graph: ignoring the step-time table %s (%s); its steps are timed again", path, e)
             return {}, {}
         return steps, host
 
@@ -136,7 +138,7 @@ class StepTimes:
         path = self._times_file()
         if path is None:
             return
-        file_steps, file_host = kept = self._read_times(path)
+        file_steps, file_host = kept = self._read_times(path, warn=False)
         self._load_times(overwrite=True, kept=kept)
         # the file's entries whole (a key the caller set here is not this engine's to write, but stays the file's)
         steps = {**{k: v for k, v in self.step_times.items() if k in self._timed}, **file_steps}

@@ -900,6 +900,26 @@ def test_a_kept_table_with_prices_no_timing_gives_is_ignored(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_a_bad_kept_table_is_named_once_and_replaced(tmp_path, monkeypatch, caplog, broken):
+    """A kept table that cannot be read is named once, where it is loaded; the save that replaces it with this
+    engine's timings says nothing more. Broken: the save's read warns as the load's does (the warning twice)."""
+    monkeypatch.setenv(step_times_mod.CACHE_ENV, str(tmp_path))
+    if broken:
+        read = step_times_mod.StepTimes._read_times
+        monkeypatch.setattr(step_times_mod.StepTimes, "_read_times", lambda self, path, warn=True: read(self, path))
+    table = _Table()
+    path = table._times_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="spec_graph"):
+        table._load_times()
+        table.measured((True, 1, 1), (1.0, 0.0))._save_times()
+    named = [r for r in caplog.records if "ignoring the step-time table" in r.getMessage()]
+    assert (len(named) == 1) != broken, named
+    assert json.loads(path.read_text()) == {"steps": [[True, 1, 1, [1.0, 0.0]]], "host": []}
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_a_failed_save_leaves_no_file_behind(tmp_path, monkeypatch, broken):
     """A save whose rename fails (a full disk, say) leaves the cache as it found it, and the engine goes on
     with its own table. Control: without the clean-up the written temporary file stays."""

@@ -452,6 +452,32 @@ def test_a_negative_id_list_is_named_not_read_as_an_option(capsys, flag):
     assert code == 2 and "out of range" in err
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_text_an_ascii_stdout_cannot_hold_is_escaped(monkeypatch, broken):
+    """On a stdout whose encoding lacks a character of the output (PYTHONIOENCODING=ascii, a Latin-1 terminal),
+    the run's text is printed with that character escaped, and the exit is 0: not an encode error reported as
+    bad input after the run. Broken: stdout left strict."""
+    import io
+
+    import torch
+
+    import spec_graph.cli as cli
+
+    if broken:
+        monkeypatch.setattr(cli, "_escape_unencodable", lambda stream: None)
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["generate", "--prompt", "caf\u00e9 = ", "--max-new-tokens", "4", "--quiet"])
+    finally:
+        torch.set_num_threads(threads)
+    out.flush()
+    text = raw.getvalue().decode("ascii")
+    assert (code == 0 and text.startswith("caf\\xe9 = ")) != broken, (code, text)
+
+
 def test_an_interrupt_ends_with_one_line(capsys, monkeypatch):
     """Ctrl-C during a run: one line and exit code 130 (as a shell reports SIGINT), not a traceback from inside
     torch. Control: the same run without the interrupt."""

@@ -538,6 +538,35 @@ def test_a_split_before_any_traced_op_names_its_cause(fn, op, broken, eager_comp
     assert (f"({op}: " in str(got[0].message)) != broken, str(got[0].message)
 
 
+class _AddsThenPrints(torch.nn.Module):
+    def forward(self, x):
+        y = x + 1
+        print("adds")
+        return y * 2
+
+
+class _SubtractsThenPrints(torch.nn.Module):
+    def forward(self, x):
+        y = x - 1
+        print("subtracts")
+        return y * 3
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_two_functions_of_one_name_in_a_file_each_warn(broken, eager_compile_stage, monkeypatch):
+    """Two modules of one file whose `forward`s are both split each get their warning, naming their own break;
+    the pieces of one of them still warn once. Broken: functions told apart by file and name alone (the second
+    module's split went unsaid)."""
+    if broken:
+        monkeypatch.setattr(graph_split, "_def_line", lambda file, name, line: None)
+    torch._dynamo.reset()
+    reset_split_warnings()
+    got = _split_warnings(_AddsThenPrints(), torch.ones(3), torch.zeros(3)) + \
+        _split_warnings(_SubtractsThenPrints(), torch.ones(3))
+    lines = {inspect.getsourcelines(m.forward)[1] + 2 for m in (_AddsThenPrints, _SubtractsThenPrints)}
+    assert ({w.lineno for w in got} == lines and len(got) == 2) != broken, [str(w.message) for w in got]
+
+
 def test_compile_raises_after_an_earlier_split_compile(backend_calls, eager_compile_stage):
     """torch.compile of the function (which splits it, with the warning) first, then spec_graph.compile: Dynamo's
     cache of the split graph, keyed by code and not by fullgraph, must not serve the fullgraph call."""

@@ -129,6 +129,8 @@ def _hf_windows(arch, fields):
 
 @pytest.mark.parametrize("arch,extra", [
     ("LlamaForCausalLM", {}),
+    # Qwen's switch on a Llama config: transformers' Llama reads no window (it was applied here)
+    ("LlamaForCausalLM", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
     ("MistralForCausalLM", {}),  # no sliding_window: Hugging Face's 4096, not full attention
     ("MistralForCausalLM", dict(sliding_window=None)),
     ("MistralForCausalLM", dict(sliding_window=9)),

@@ -216,7 +216,8 @@ def test_an_interrupted_call_leaves_no_row_busy(dec):
     ("max_len", 1, "max_len was set to 1"),
     ("num_speculative_tokens", 2, "num_speculative_tokens was set to 2 .*SpecGraphConfig\\(num_speculative_tokens"),
     ("verification", "block", "verification was set to 'block'"),
-    ("steps_per_graph", 0, "steps_per_graph must be a positive integer, got 0"),
+    ("steps_per_graph", 0, "steps_per_graph must be an integer from 1 to 64 .*, got 0"),
+    ("steps_per_graph", 65, "steps_per_graph must be an integer from 1 to 64 .*, got 65"),
     ("batch_buckets", (1, 16), r"batch_buckets \[1, 16\] pads a batch of max_batch_size=8 past the engine's 8 rows"),
     ("batch_buckets", (), "batch_buckets must be a non-empty list"),
 ])
@@ -230,6 +231,24 @@ def test_config_changed_on_a_built_engine(dec, field, value, needle):
             dec.generate([[1, 2]], 3)
     finally:
         setattr(dec.config, field, was)
+    assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("value", [None, {"max_len": 32}, "SpecGraphConfig(max_len=32)"])
+def test_config_replaced_by_another_kind_of_value(dec, value):
+    """`dec.config` set to something that is no SpecGraphConfig is a ValueError that says to set its fields, not
+    an AttributeError from inside the checks; the engine runs again once it is put back. Control: a new
+    SpecGraphConfig equal to the built one runs."""
+    was = dec.config
+    dec.config = value
+    try:
+        with pytest.raises(ValueError, match="config was set to .* on a built engine: set fields of its "
+                                             "SpecGraphConfig"):
+            dec.generate([[1, 2]], 3)
+        dec.config = dataclasses.replace(was)
+        assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3
+    finally:
+        dec.config = was
     assert len(dec.generate([[1, 2]], 3)[0].token_ids) == 3
 
 
@@ -371,6 +390,12 @@ def test_bad_device_names_the_project_message(llama_pair, device, needle):
     (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
     (dict(mlp_bias="false"), "'mlp_bias' must be true or false"),
     (dict(attention_bias=0), "'attention_bias' must be true or false"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window="false", sliding_window=4),
+     "'use_sliding_window' must be true or false"),  # read as true, it put a window on every layer
+    (dict(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=4,
+          layer_types=["sliding", "full_attention"]),
+     "'layer_types' must list one of full_attention, sliding_attention per layer"),  # a typo read as full
+    (dict(max_position_embeddings=1), "'max_position_embeddings' must be an integer >= 2, got 1"),
     (dict(architectures="GPT2LMHeadModel"), "unsupported architecture 'GPT2LMHeadModel'"),
     (dict(architectures={"a": 1}), "'architectures' must be a list"),
 ])

@@ -267,7 +267,8 @@ def test_steps_per_graph_must_be_one_inside_vllm():
     assert parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": 1}}).steps_per_graph == 1
     assert parse({"enable_spec_graph": True}).steps_per_graph == 1
     for bad in (0, -2, True, 2.0, "4"):
-        with pytest.raises(ValueError, match=r"\['steps_per_graph'\] must be a positive integer, got"):
+        with pytest.raises(ValueError, match=r"\['steps_per_graph'\] must be an integer from 1 to 64 \(steps in one "
+                                             r"graph replay\), got"):
             parse({"enable_spec_graph": True, "spec_graph": {"steps_per_graph": bad}})
     with pytest.raises(ValueError, match=r"must be 1 inside vLLM, got 4: vLLM's runner calls the drafter once per "
                                          r"step.*SpecGraphConfig"):

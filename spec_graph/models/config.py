@@ -23,6 +23,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 # The MLP's activation (Hugging Face's ACT2FN names for SiLU); anything else would give wrong tokens.
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Where transformers reads use_sliding_window (with max_window_layers or layer_types); Llama reads no window at all
+SLIDING_SWITCHED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # What Hugging Face's Llama config assumes when config.json states no max_position_embeddings.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 # What each architecture's Hugging Face config class assumes for the fields config.json leaves out (transformers
@@ -131,7 +134,7 @@ class ModelArgs:
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"{where}: field 'head_dim' (or hidden_size / num_attention_heads) must be an even "
                              f"integer >= 2 for rotary embeddings, got {head_dim}{_left_out(given, arch, 'head_dim')}")
-        window = get_int("max_position_embeddings")
+        window = get_int("max_position_embeddings", minimum=2)  # a prompt token and a new one at least
 
         theta, rope_scaling = _rope(cfg, where)
 
@@ -146,13 +149,13 @@ class ModelArgs:
         sliding = get_int("sliding_window", default=0, minimum=0)
         if arch == "MistralForCausalLM":
             windows = tuple(sliding for _ in range(layers))
-        elif cfg.get("use_sliding_window") and sliding:
+        elif arch in SLIDING_SWITCHED and _bool_field(cfg, "use_sliding_window", where) and sliding:
             types = cfg.get("layer_types")
             if not types:
                 mwl = get_int("max_window_layers", default=defaults.get("max_window_layers", layers), minimum=0)
                 types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
-            elif not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
-                raise ValueError(f"{where}: field 'layer_types' must list one attention type per layer "
+            elif not isinstance(types, list) or len(types) != layers or not all(t in LAYER_TYPES for t in types):
+                raise ValueError(f"{where}: field 'layer_types' must list one of {', '.join(LAYER_TYPES)} per layer "
                                  f"(num_hidden_layers={layers}), got {types!r}")
             windows = tuple(sliding if t == "sliding_attention" else 0 for t in types)
         else:

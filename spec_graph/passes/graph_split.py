@@ -3,6 +3,7 @@ at a graph break: once per function, naming the break's ``file:line`` and what i
 from __future__ import annotations
 
 import linecache
+import re
 import warnings
 
 import torch
@@ -28,19 +29,30 @@ def _root_name(name: str) -> tuple[str, int | None]:
     return name, line
 
 
+def _def_line(file: str, name: str, line: int | None) -> int | None:
+    """The line of the ``def name(`` at or above ``line`` of ``file``: which of a file's functions of one name
+    (two modules' ``forward``) a frame is in."""
+    pattern = re.compile(rf"\s*(async\s+)?def\s+{re.escape(name)}\s*[(\[]")
+    for at in range(int(line or 0), 0, -1):
+        if pattern.match(linecache.getline(file, at)):
+            return at
+    return None
+
+
 def _split_info(gm: torch.fx.GraphModule):
-    """(file, root function, break file, break line, reason) when ``gm`` is a piece of a split function."""
+    """(file, root function, a line inside it, break file, break line, reason) when ``gm`` is a piece of a split
+    function."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     stack = list(getattr(reason, "user_stack", None) or [])
     if reason is not None and getattr(reason, "graph_break", False) and stack:
         root, _ = _root_name(stack[0].name)
         fr = _user_frame(_frames_of_summaries(stack))
         op, detail = _classify_break(getattr(reason, "reason", ""), fr[3])
-        return stack[0].filename, root, fr[0], fr[1], f"{op}: {detail}"
+        return stack[0].filename, root, stack[0].lineno, fr[0], fr[1], f"{op}: {detail}"
     for fs in stack:  # the piece after a break: Dynamo compiles a resume function
         root, line = _root_name(fs.name)
         if line is not None:
-            return fs.filename, root, fs.filename, line, _source_reason(fs.filename, line)
+            return fs.filename, root, line, fs.filename, line, _source_reason(fs.filename, line)
     # Fallbacks where the reason carries no stack: the compile's frame name, then node stack traces.
     names: list[tuple[str, str]] = []
     try:
@@ -62,7 +74,7 @@ def _split_info(gm: torch.fx.GraphModule):
     for file, name in names:
         root, line = _root_name(name)
         if line is not None:
-            return file, root, file, line, _source_reason(file, line)
+            return file, root, line, file, line, _source_reason(file, line)
     return None
 
 
@@ -84,8 +96,8 @@ def warn_if_split(gm: torch.fx.GraphModule) -> bool:
         return False
     if info is None:
         return False
-    file, root, bfile, bline, why = info
-    key = (file, root)
+    file, root, inside, bfile, bline, why = info
+    key = (file, root, _def_line(file, root, inside))  # two functions of one name in a file are two
     if key in _SPLIT_WARNED:
         return False
     _SPLIT_WARNED.add(key)
