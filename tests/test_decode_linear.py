@@ -213,25 +213,6 @@ def test_norm_sums_any_block(norm_block, unroll, monkeypatch):
     assert not _close(got, decode_gate_up_ref(x, w, b, nw, 1.0), torch.float32)
 
 
-@pytest.mark.parametrize("after", [1, 2])
-@pytest.mark.parametrize("rows, conf", [(1, None), (1, (False, 8, 32)), (5, (True, 16, 32)), (5, (True, 16, 32, 2))])
-def test_norm_after_the_sums_takes_a_folded_weight(after, rows, conf, monkeypatch):
-    """The benchmarks' NORM_AFTER launch (the timing of a norm whose weight is folded into w): with w * nw for w it
-    gives x * rstd @ (w * nw).T, read before the sums (1) or after them (2), on the one-step path (one row, no
-    override), a CUDA-core loop, tensor cores and split-K. The control: with w unfolded it is not RMSNorm's."""
-    _require_kernel()
-    monkeypatch.setattr(_ll, "NORM_AFTER", after)
-    g = torch.Generator().manual_seed(7)
-    x, w, b, nw = _dev(*_inputs(1, rows, 96, 40, torch.float32, True, True, g))
-    folded = w * nw
-    with launch(*conf) if conf else contextlib.nullcontext():
-        got = decode_linear(x, folded, b, nw, 1e-5, sync=new_sync().to(DEV) if conf and len(conf) > 3 else None)
-        unfolded = decode_linear(x, w, b, nw, 1e-5)
-    want = decode_linear_ref(x, w, b, nw, 1e-5)
-    assert _close(got, want, torch.float32)
-    assert not _close(unfolded, want, torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [1100, 2100])
 def test_one_row_default_launch_sums_on_cuda_cores(dtype, K, monkeypatch):

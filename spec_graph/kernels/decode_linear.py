@@ -138,8 +138,7 @@ def _normed_tile(xk, nw_ptr, kk, k_ok, rstd, HAS_NORM: tl.constexpr, UPCAST: tl.
 
 @triton.jit
 def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps, MODE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NORM_AFTER: tl.constexpr):
+                   HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 sums [BLOCK_M, BLOCK_N] over all of K (<= BLOCK_K) on CUDA cores in one step: the weight tiles and x
     load together, and the norm's statistics come from the same x tile, so that a program waits on memory once
     (a loop waits once per K step, and the norm's own pass over x once more before the weights go out)."""
@@ -150,15 +149,14 @@ def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sx
     if MODE != 0:  # paired: a second row block
         wb = tl.load(wb_ptr + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
     if BLOCK_M == 1:
-        acc_a, acc_b = _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, m_ok, K, eps, MODE, HAS_NORM, UPCAST,
-                                     NORM_AFTER)
+        acc_a, acc_b = _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, m_ok, K, eps, MODE, HAS_NORM, UPCAST)
     else:  # a row at a time, each x row in the weight tile's layout (a 3-D product would not fit the registers)
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for m in tl.static_range(BLOCK_M):
             if m < M:  # the padding rows of the block skip their reductions
                 ra_m, rb_m = _one_row_sums(wa, wb, x_ptr + m * sxm, nw_ptr, offs_k, k_ok, True, K, eps, MODE,
-                                           HAS_NORM, UPCAST, NORM_AFTER)
+                                           HAS_NORM, UPCAST)
                 mine = (offs_m == m)[:, None]
                 acc_a = tl.where(mine, ra_m, acc_a)
                 acc_b = tl.where(mine, rb_m, acc_b)
@@ -167,7 +165,7 @@ def _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sx
 
 @triton.jit
 def _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, row_ok, K, eps, MODE: tl.constexpr, HAS_NORM: tl.constexpr,
-                  UPCAST: tl.constexpr, NORM_AFTER: tl.constexpr):
+                  UPCAST: tl.constexpr):
     """[1, BLOCK_N] sums of one x row (at x_ptr; zeros unless row_ok) with the fp32 weight tiles wa, wb (wb's
     only when paired), the row RMS-normed from its own statistics when HAS_NORM."""
     xk = tl.load(x_ptr + offs_k[None, :], mask=row_ok & k_ok[None, :], other=0.0)
@@ -176,17 +174,11 @@ def _one_row_sums(wa, wb, x_ptr, nw_ptr, offs_k, k_ok, row_ok, K, eps, MODE: tl.
         rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) / K + tl.cast(eps, tl.float32))
     else:
         rstd = tl.zeros([1], tl.float32)
-    if NORM_AFTER:  # the norm's weight is in w: x's scale goes on the sums
-        xf = xk.to(tl.float32)
-    else:
-        xf = _normed_tile(xk, nw_ptr, offs_k, k_ok, rstd, HAS_NORM, UPCAST).to(tl.float32)  # broadcast over rows
+    xf = _normed_tile(xk, nw_ptr, offs_k, k_ok, rstd, HAS_NORM, UPCAST).to(tl.float32)  # broadcast over the rows
     acc_a = tl.sum(xf * wa, axis=1)[None, :]
     acc_b = acc_a  # unpaired: unused
     if MODE != 0:
         acc_b = tl.sum(xf * wb, axis=1)[None, :]
-    if NORM_AFTER:
-        acc_a = acc_a * rstd[:, None]
-        acc_b = acc_b * rstd[:, None]
     return acc_a, acc_b
 
 
@@ -201,7 +193,7 @@ def _decode_linear_kernel(
         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
         ONE_STEP: tl.constexpr,
-        CHOOSE: tl.constexpr, MERGE: tl.constexpr, NORM_AFTER: tl.constexpr = 0):
+        CHOOSE: tl.constexpr, MERGE: tl.constexpr):
     """Columns n of program pid: n = (pid // SPLIT_K) * BLOCK_N + [0, BLOCK_N) < N; every row m < M (one row
     block); the sums over k in [s * K_SPLIT, (s + 1) * K_SPLIT) for s = pid % SPLIT_K.
 
@@ -240,9 +232,9 @@ def _decode_linear_kernel(
     wb_ptr = w_ptr + rb.to(tl.int64)[:, None] * swn
     if ONE_STEP:
         acc_a, acc_b = _one_step_sums(wa_ptr, wb_ptr, x_ptr, nw_ptr, offs_m, m_ok, n_ok, offs_k, sxm, M, K, eps,
-                                      MODE, HAS_NORM, UPCAST, BLOCK_M, BLOCK_N, NORM_AFTER)
+                                      MODE, HAS_NORM, UPCAST, BLOCK_M, BLOCK_N)
     else:
-        if HAS_NORM and NORM_AFTER != 2:
+        if HAS_NORM:
             rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK, NORM_UNROLL)
         else:
             rstd = tl.zeros([BLOCK_M], tl.float32)
@@ -260,7 +252,7 @@ def _decode_linear_kernel(
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
-            xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM and NORM_AFTER == 0, UPCAST)
+            xk = _x_tile(x_ptr, nw_ptr, offs_m, m_ok, kk, k_ok, sxm, rstd, HAS_NORM, UPCAST)
             wa = tl.load(wa_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if DOT:
                 acc_a += _dot_t(xk, wa, IEEE, UPCAST)
@@ -285,11 +277,6 @@ def _decode_linear_kernel(
             else:
                 acc_a = tl.sum(acc3_a, axis=2)
                 acc_b = tl.sum(acc3_b, axis=2)
-        if NORM_AFTER:  # the norm's weight is in w: x's scale goes on the sums (2: its statistics read after them)
-            if NORM_AFTER == 2:
-                rstd = _row_rstd(x_ptr, offs_m, m_ok, sxm, K, eps, NORM_BLOCK, NORM_UNROLL)
-            acc_a = acc_a * rstd[:, None]
-            acc_b = acc_b * rstd[:, None]
     if CHOOSE:
         nb = tl.cdiv(N, BLOCK_N)
         v = _rnd(acc_a, x_ptr.dtype.element_ty, UPCAST)  # the logits as the head would store them
@@ -378,8 +365,7 @@ def _launch(mode, x, w, b, norm_w, eps, residual, cos, sin, rope_cols, half, n_o
         num_stages=stages, SPLIT_K=split,
         NORM_BLOCK=block_for(min(launch.NORM_BLOCK_K, K)) if launch.NORM_BLOCK_K > 0 else block_k,
         NORM_UNROLL=max(1, launch.NORM_UNROLL),
-        ONE_STEP=launch.one_step(dot, split, K, block_k), CHOOSE=choose, MERGE=MERGE_BLOCK,
-        NORM_AFTER=int(launch.NORM_AFTER) if norm_w is not None else 0)
+        ONE_STEP=launch.one_step(dot, split, K, block_k), CHOOSE=choose, MERGE=MERGE_BLOCK)
     if choose:
         return ids.view(*x.shape[:-1], 2)
     return out.view(*x.shape[:-1], out.shape[-1])

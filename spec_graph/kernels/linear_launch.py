@@ -31,9 +31,6 @@ SPLIT_TILES = {"qkv": ((64, 128, 8, 3, 4), (32, 64, 0, 0, SPLIT_MIN_TILES)), "sq
 NORM_BLOCK_K = 0  # x columns per step of the norm's sum of squares, rounded up to a power of two and at most K's
 # (0: the product's BLOCK_K; benchmarks vary it)
 NORM_UNROLL = 1  # the norm's K steps unrolled this many ways, so that their loads go out together
-# Benchmarks only: the norm's scale on the sums and its weight left out (the timing of a norm whose weight is folded
-# into w beforehand; the results are not RMSNorm's). 0: off; 1: x's statistics read first; 2: after the sums.
-NORM_AFTER = 0
 ONE_STEP_K = 2048  # CUDA-core products with K up to this read all of K in one step (_one_step_sums; 0: never;
 # benchmarks vary it)
 # Launch overrides (DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for benchmarks and tests; empty:
