@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--target", help="target HF checkpoint directory (default: the embedded pair)")
     e.add_argument("--draft", help="draft HF checkpoint directory (default: the embedded pair)")
     e.add_argument("-k", "--num-speculative-tokens", dest="k", type=_k_value, default=4,
-                   help="draft tokens per step (1..16)")
+                   help="draft tokens per step (1..16, default 4)")
     e.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8],
                    help="comma-separated batch sizes (default 1,4,8)")
     e.add_argument("--max-len", type=int, default=None,
