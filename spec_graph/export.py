@@ -189,8 +189,6 @@ def _split_weights(flat, names_t, names_d):
     return (dict(zip(strip(names_t), flat[:nt])), dict(zip(strip(names_d), flat[nt:nt + nd])), flat[nt + nd:])
 
 
-# Relative cost of each stage (seconds on an idle 2-core CPU for the tests' tiny pair). The ETA scales them by
-# what the finished stages really took, so only their ratios matter.
 # torch's own copy of an exported graph inside aoti_compile_and_package warns of its own deprecated pytree check,
 # once per artifact; nothing a caller can change. Other warnings pass.
 TREESPEC_NOTICE = r".*isinstance\(treespec, LeafSpec\)` is deprecated"
