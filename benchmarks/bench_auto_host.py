@@ -19,6 +19,8 @@ three workloads under these choosers, taking turns call by call:
   auto chain    auto priced by a table timed as the loop runs (--chain-table): per K, a chain of replays each
                 followed by the host's read, in place of the engine's table (one replay and a sync per timing,
                 plus the host's share measured at the smallest K)
+  NAME serial   chooser NAME of --serial with the engine's launch ahead off: each replay read before the next
+                launch (the "loop - table" cycles are timed in this form alone)
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
@@ -164,6 +166,9 @@ def main():
     ap.add_argument("--chain-table", action="store_true",
                     help="time each K as the loop runs it (a chain of replays, each followed by the read) and add "
                          "the chooser 'auto chain', priced by that table")
+    ap.add_argument("--serial", default="", metavar="NAMES",
+                    help="comma-separated choosers (auto,K=1,...) run once more each as 'NAME serial': with the "
+                         "engine's launch ahead off")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
@@ -184,6 +189,10 @@ def main():
     names = ["auto", "auto no-fork", "replayed", "replayed+work", "auto+flush", *variants]
     names += [f"K={k}" for k in fixed]
     names += [f"K={fixed[0]} async"] if fixed else []
+    for name in filter(None, a.serial.split(",")):
+        if name not in names:
+            raise SystemExit(f"--serial {name!r}: not one of the choosers {names}")
+        names.append(f"{name} serial")
     engine_table = (dict(dec.step_times), dict(dec.host_times))  # as measured at capture
     chained = None
     if a.chain_table:
@@ -243,8 +252,12 @@ def main():
 
     dec._prefill, dec._run_steps, dec._read_after_replay = timed_prefill, priced_run, timed_read
 
+    launch_ahead = dec.launch_ahead
+
     def call(name, w, timed=False):
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
+        dec.launch_ahead = launch_ahead and not name.endswith(" serial")
+        full, name = name, name.removesuffix(" serial")
         split.update(prefill=0.0, table=0.0)
         if name.startswith("K=") or name.startswith("replayed"):
             Scripted.script = int(name[2:].split()[0]) if name.startswith("K=") else last_ks[w]
@@ -259,7 +272,7 @@ def main():
         if name == "auto chain":
             hosts = {key: 0.0 for key in dec.host_times}  # the chain's times hold the read
             setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)
-        cycle.update(last=None, name=(name, w) if timed else None)
+        cycle.update(last=None, name=(full, w) if timed else None)
         try:
             with setting:
                 plat.synchronize()
@@ -267,9 +280,10 @@ def main():
                 out = dec.generate(wl[w], a.max_new_tokens)
                 wall = time.perf_counter() - t
         finally:
+            dec.launch_ahead = launch_ahead
             sg_runtime.ChoiceAhead, ChoiceAhead.MAX_FORK_ROWS = real, fork_rows
             sg_platform.Platform.replay, sg_platform.Platform.to_host = real_replay, real_to_host
-        if name == "auto":
+        if full == "auto":
             last_ks[w] = list(out.stats.k_per_step)
         return wall, out, dict(split)
 

@@ -17,7 +17,9 @@ import random
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,21 +28,14 @@ from .admission import admits_now, prefill_groups
 from .capture import GraphSet
 from .config import (CEILING_FIELDS, CEILING_MIN, FIXED_FIELDS, SPELLED_FIELDS, WINDOW_SOURCE, SpecGraphConfig,
                      check_window, checked_buckets, checked_steps_per_graph, is_int, spelled)
-from .kernels import PLACEHOLDER, REQUEST_ROW, race_sample
+from .kernels import PLACEHOLDER
 from .prompts import MAX_STOP_IDS, check_max_new_tokens, prompt_ids, stop_ids
 from .results import GenerationOutput, GenerationResult, GenerationStats
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams
 from .step import STATE_FIELDS
+from .prefill import Prefills
 from .step_times import StepTimes
 
-# Prefills of at most this many positions (rows x padded length), each row at most PREFILL_GRAPH_LEN long, replay
-# a graph: short ones are bound by kernel launches on the host, long ones by the device. (On an H200, a B=8 call
-# of bench_adaptive.py admits 8 prompts of 128 positions at once: 84 ms per call run eagerly, 61 ms replayed.)
-# The length bound keeps a graph's attention scores (rows x heads x length^2) within what 512 allowed before.
-PREFILL_GRAPH_TOKENS = 1024
-PREFILL_GRAPH_LEN = 512
-# A prefill's per-row integers after its tokens: length, slot, max_new, seed, top_k (_prefill_rows)
-PREFILL_COLUMNS = 5
 WRITEBACK = ("tail", "seq_lens", "n_out", "active", "error", "steps")
 log = logging.getLogger("spec_graph")
 
@@ -59,7 +54,7 @@ def load_tokenizer(path: str):
                          "or remove it and pass prompts as token ids") from None
 
 
-class DecoderBase(StepTimes):
+class DecoderBase(StepTimes, Prefills):
     """Request slots and the step loop over static buffers; subclasses supply the forwards.
 
     A subclass implements ``_new_kv_caches(rows, cache_len) -> (target_kv, draft_kv)``,
@@ -76,6 +71,9 @@ class DecoderBase(StepTimes):
     # Requests past it are refused unless max_len was chosen above it (with a warning).
     window: int | None = None
     window_source: str = WINDOW_SOURCE  # where errors say the window comes from
+    # Busy rows from which a replay is launched ahead of the read of the one before (launch_ahead): with fewer, the
+    # rows may all end in that replay, and the next would run for nothing (one row's whole step, at B=1).
+    AHEAD_ROWS = 2
 
     def __init__(self, config: SpecGraphConfig, vocab_size: int, device: torch.device, plat, tokenizer=None,
                  eos_token_ids=(), use_graphs: bool = False, rows: int | None = None):
@@ -112,6 +110,11 @@ class DecoderBase(StepTimes):
         # length plus what the step can write, not all of max_len; the host reads the lengths with the one read
         # per replay. Static (compiled, captured) steps cannot: their shapes are fixed.
         self.span_steps = False
+        # Where the device runs launches asynchronously (every platform with graphs), a replay over AHEAD_ROWS busy
+        # rows or more is launched before the read of the one before it, so the device never waits for the host's
+        # work between a read and the next launch (see _generate).
+        self.launch_ahead = plat.supports_graphs
+        self.launched_ahead = 0  # the last call's replays launched so
         # Adaptive K: seconds per step at {(greedy, bucket, K)}, measured once at capture (an entry set beforehand
         # is kept, so a caller can fix the table); the device counters the chooser reads (see adaptive.py);
         # and {K: {"capture_s", "memory_bytes"}}: what each K's graphs cost to build.
@@ -130,11 +133,6 @@ class DecoderBase(StepTimes):
         # the config fields the buffers, caches and steps above were built from (config.FIXED_FIELDS)
         self._built = {f: copy.deepcopy(getattr(config, f)) for f in FIXED_FIELDS + CEILING_FIELDS}
         self._graphs_for = (config.steps_per_graph, config.batch_buckets)
-
-    def _new_prefill_graphs(self) -> None:
-        # A pool of their own: a prefill graph's logits stay live in it while step graphs replay.
-        self.prefill_graphs = GraphSet(self.platform) if self.graphs is not None and self.capture_prefill else None
-        self._prefill_inputs: dict = {}
 
     def _new_kv_caches(self, rows: int, cache_len: int):
         raise NotImplementedError
@@ -163,144 +161,6 @@ class DecoderBase(StepTimes):
         raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
                          f"{n + max_new_tokens} > max_len={self.config.max_len}: raise max_len in SpecGraphConfig "
                          "(--max-len) or shorten the prompt")
-
-    # ------------------------------------------------------------------ prefill
-    def _reads_live_only(self) -> bool:
-        """Whether every forward attends to positions its request wrote and no others (a subclass says; the
-        prefill's kv_len and the live-length kernel do); if not, a slot's old contents are read, masked."""
-        return False
-
-    def _zero_slots(self, slots: torch.Tensor, upto: int | None = None) -> None:
-        """Zero positions [0, upto) of these slots' caches (None: all of them)."""
-        # A slot may hold another request's non-finite garbage; masked keys would still poison p @ v. Only where
-        # old positions are read, and only below where earlier requests wrote: its cost follows their lengths,
-        # not max_len.
-        if self._reads_live_only():
-            return
-        for kc, vc in (self.target_kv, self.draft_kv):
-            kc[:, slots, :, :upto] = 0
-            vc[:, slots, :, :upto] = 0
-
-    def _caches_touched(self) -> None:
-        """Runs outside any request (capture, timing) wrote the caches at positions of their own: every slot is
-        zeroed whole at its next admission."""
-        self._written_below = [self.cache_len] * self.rows
-
-    def _admitted(self, slots: list[int], lens: list[int], max_new: list[int], T: int) -> int:
-        """Records where the requests now in ``slots`` can write, and returns the positions to clear first: below
-        where the slots' earlier requests could. A request writes its prefill's T positions (padding included),
-        then at most K + 1 past its committed length per step, that length staying within its prompt and
-        max_new; a finished or free row's step writes scratch at its last length, the same bound."""
-        upto = max(self._written_below[s] for s in slots)
-        cleared = not self._reads_live_only()  # else the old contents stay, below the old bound
-        for s, n, m in zip(slots, lens, max_new):
-            bound = min(self.cache_len, max(T, n + m + 2 * self.K + 2))
-            self._written_below[s] = bound if cleared else max(bound, self._written_below[s])
-        return upto
-
-    def _prefill(self, slots: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                 params: SamplingParams, meanwhile=None) -> list[bool]:
-        """Admit `prompts` into `slots`: one forward of both models, then each row's first token and state, all on
-        the device (in one graph where the prefill replays one). Returns whether each row goes on (one host read);
-        `meanwhile()`, if given, runs on the host between the prefill's launch and that read."""
-        n = len(slots)
-        T = max(len(p) for p in prompts)
-        # Padded to a power of two where a prefill can replay a graph on this platform (one graph per shape: few
-        # shapes), whether or not this engine captures: an uncaptured engine on the device then runs the same
-        # shapes, so the same kernels and tokens, as a captured one. Elsewhere a prefill runs at its own length
-        # (a 6000-token prompt is not worth 8191 positions). Below cache_len (prompts are shorter than max_len),
-        # as an export's span is.
-        padded = self._padded_length(T)
-        T = padded if self.capture_prefill and self.platform.supports_graphs and self._graph_shape(n, padded) else T
-        # Every per-row input in two host tensors, two copies to the device: a graph bakes in no request's values.
-        rows = torch.zeros(n, T + PREFILL_COLUMNS, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            rows[i, : len(p)] = torch.tensor(p)
-        top_k = min(params.top_k, self.vocab_size)  # the same filter; an int64 whatever top_k is
-        rows[:, T:] = torch.tensor([[len(p), s, m, seed, top_k]
-                                    for p, s, m, seed in zip(prompts, slots, max_new, seeds)])
-        floats = torch.tensor([[max(params.temperature, 1e-5), params.top_p]] * n, dtype=torch.float32)
-        rows, floats = rows.to(self.device), floats.to(self.device)
-        upto = self._admitted(slots, [len(p) for p in prompts], max_new, T)
-        self._zero_slots(rows[:, T + 1], None if upto >= self.cache_len else upto)
-        active = self._prefill_run(rows, floats, params.greedy)
-        if meanwhile is not None:
-            meanwhile()
-        return active.tolist()
-
-    @torch.inference_mode()  # captured or not: the same (inference) tensors reach a compiled forward's guards
-    def _prefill_rows(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """The prefill over device inputs alone (what its graph records): ``rows [n, T + PREFILL_COLUMNS]`` holds
-        each row's tokens, then its length, slot, max_new, seed and top_k; ``floats [n, 2]`` its temperature and
-        top_p. Commits each row's first token and writes its state; returns whether each row goes on."""
-        n, T = rows.shape[0], rows.shape[1] - PREFILL_COLUMNS
-        toks = rows[:, :T].contiguous()
-        lens, slot_t, max_new_t, seeds_t, top_k = (c.contiguous() for c in rows[:, T:].t())
-        temperature, top_p = (c.contiguous() for c in floats.t())
-        dev = rows.device
-        pos = torch.arange(T, device=dev).expand(n, T)
-        logits = self._prefill_forward(toks, pos, slot_t, lens)
-        st = self.state
-        st["temperature"][slot_t] = temperature
-        st["top_k"][slot_t] = top_k
-        st["top_p"][slot_t] = top_p
-        if greedy:
-            first = logits.argmax(-1)
-        else:
-            probs = logits_to_probs(logits, temperature, top_k, top_p)
-            zero = torch.zeros_like(seeds_t)  # tensors, not ints: an int becomes a host-to-device copy
-            first = race_sample(probs, seeds_t, zero, torch.full_like(seeds_t, REQUEST_ROW), zero)
-        finite = torch.isfinite(logits).all(-1)
-        # a compare, not torch.isin: isin sorts and reads sizes back on the host (0.8 ms per prefill on CUDA)
-        done = (first[:, None] == self.stop_buf[None, :]).any(-1) | (max_new_t <= 1)
-        active = finite & ~done
-        st["tail"][slot_t] = torch.stack((toks[torch.arange(n, device=dev), lens - 1], first), 1)
-        st["seq_lens"][slot_t] = lens + 1
-        st["n_out"][slot_t] = finite.long()  # non-finite logits commit nothing: no made-up first token
-        st["max_new"][slot_t] = max_new_t
-        st["seeds"][slot_t] = seeds_t
-        st["error"][slot_t] = ~finite
-        st["active"][slot_t] = active
-        # constants by index_fill_: `t[idx] = 1` copies the 1 from the host, which no graph may record
-        st["steps"].index_fill_(0, slot_t, 1)
-        self.out_buf.index_fill_(0, slot_t, PLACEHOLDER)
-        self.out_buf[:, 0].index_copy_(0, slot_t, first)
-        self.acc_log.index_fill_(0, slot_t, 0)
-        return active
-
-    def _padded_length(self, T: int) -> int:
-        return min(1 << (T - 1).bit_length(), self.cache_len - 1)
-
-    def _graph_shape(self, n: int, T: int) -> bool:
-        """Whether a prefill of n rows of T positions has a shape that replays a graph. Only padded lengths do: an
-        eager prefill at its own length (too many positions padded) keeps its shape off the graphs."""
-        return T == self._padded_length(T) and n * T <= PREFILL_GRAPH_TOKENS and T <= PREFILL_GRAPH_LEN
-
-    def _prefill_replays(self, n: int, T: int) -> bool:
-        """Whether a prefill of n rows of T positions replays a graph (else it runs eagerly)."""
-        return self.prefill_graphs is not None and self._graph_shape(n, T)
-
-    def _prefill_run(self, rows: torch.Tensor, floats: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """``_prefill_rows``, replayed from a graph per (rows, length, greedy) where that pays.
-
-        Capturing runs the prefill for real (warm-up) with the request's own inputs: it rewrites the same
-        slots' caches and state with the same values, so it is harmless. The result is the graph's static
-        output, valid until the next prefill."""
-        n, T = rows.shape[0], rows.shape[1] - PREFILL_COLUMNS
-        graphs, key = self.prefill_graphs, (n, T, greedy)
-        if not self._prefill_replays(n, T) or key in graphs.failed:
-            return self._prefill_rows(rows, floats, greedy)
-        static = self._prefill_inputs.get(key)
-        if static is None:
-            static = (rows.clone(), floats.clone())
-            with torch.inference_mode():
-                if not graphs.capture(key, lambda: self._prefill_rows(*static, greedy)):
-                    return self._prefill_rows(rows, floats, greedy)
-            self._prefill_inputs[key] = static
-        else:
-            for dst, src in zip(static, (rows, floats)):
-                dst.copy_(src)
-        return graphs.replay(key)
 
     # ------------------------------------------------------------------ step
     def _step_args(self, B: int) -> tuple:
@@ -470,7 +330,16 @@ class DecoderBase(StepTimes):
         slot_ks: list[list[int]] = [[] for _ in range(S)]  # K of each replay step a slot took part in
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
-        prices: dict = {}  # bucket: its step times as a function of length (the table is fixed during a call)
+        prices: dict = {}  # (bucket, host waits): its step times as a function of length (fixed during a call)
+        # A replay over enough busy rows is launched before the read of the one before it, where the host's reads
+        # do not drain the device each replay (a progress callback reads the device after each)
+        aheads = self.launch_ahead and progress is None
+        most = [0] * S  # per busy slot: the most tokens its request can have committed, through every launch
+
+        def ahead(slots) -> bool:
+            """Whether the next replay over `slots` goes before the read of the last: enough rows, one of which
+            cannot have ended by its length in the replays launched (so that the next does not run for nothing)."""
+            return aheads and len(slots) >= self.AHEAD_ROWS and any(most[s] < max_new_tokens for s in slots)
         ran = [None]  # the bucket of the replay launched last (whose K a choice may keep)
 
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
@@ -478,9 +347,10 @@ class DecoderBase(StepTimes):
             bucket = self.config.bucket_for(max(lens) + 1)  # the replay's (chosen before it, during a prefill)
             if bucket != ran[0]:
                 c.last_k = None  # another bucket's graph runs whatever K: nothing to keep
-            if bucket not in prices:
-                prices[bucket] = self._prices(params.greedy, bucket)
-            return c.choose(prices[bucket](sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
+            key = (bucket, not ahead(lens))  # a replay launched ahead does not wait for the host's work
+            if key not in prices:
+                prices[key] = self._prices(params.greedy, *key)
+            return c.choose(prices[key](sum(lens.values()) / len(lens)), left, len(pending) * max_new_tokens)
 
         chooser = ChoiceAhead(KChooser(self.k_choices), choose) if self.config.adaptive else None
 
@@ -488,9 +358,10 @@ class DecoderBase(StepTimes):
         # a request commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
         L = min(max_new_tokens, self.out_buf.shape[1])
 
-        def finish(slots: list[int]) -> None:
+        def finish(slots: list[int], behind: bool) -> None:
             """Frees `slots` at once; their results are gathered and copied to the host now (later work that reuses a
-            slot comes after in stream order), and built into results by ``collect`` after the next launch."""
+            slot comes after in stream order), and built into results by ``collect`` after the next launch.
+            ``behind``: a replay launched since runs; the copy does not wait for it."""
             if not slots:
                 return
             idx = torch.tensor(slots, device=self.device)
@@ -498,7 +369,8 @@ class DecoderBase(StepTimes):
             # one read back for the lot: [n_out, error, steps, output..., acceptance log...] per slot
             rows = torch.cat((torch.stack((st["n_out"][idx], st["error"][idx].long(), st["steps"][idx]), 1),
                               self.out_buf[idx, :L], self.acc_log[idx, :L]), 1)
-            later.append(([owner[s] for s in slots], [slot_ks[s] for s in slots], *self.platform.to_host(rows)))
+            copy = self.platform.to_host_later if behind else self.platform.to_host
+            later.append(([owner[s] for s in slots], [slot_ks[s] for s in slots], *copy(rows)))
             for s in slots:
                 owner[s] = None
                 slot_ks[s] = []
@@ -532,14 +404,63 @@ class DecoderBase(StepTimes):
             progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
 
         idle = 0  # slot-steps the free slots have waited with requests queued, since the last admission
-        while pending or any(o is not None for o in owner):
+        self.launched_ahead = 0
+        unread: list[_Launched] = []  # the replay launched ahead of this one's read, not read yet (at most one)
+
+        def launch(busy: list[int]) -> _Launched:
+            B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
+            K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
+            # an eager span covers what the unread replay may have added to its rows
+            longest = max(live[s] for s in busy) + sum(r.grows for r in unread)
+            packed = self._run_steps(B, params.greedy, K, longest)
+            ran[0] = B
+            for s in busy:
+                most[s] += N * (K + 1)
+            rep = _Launched(B, K, N, {s: owner[s] for s in busy}, ahead(busy))
+            self.launched_ahead += bool(unread)
+            if rep.ahead:  # read once the next replay is launched: its copy, taken now, waits for nothing
+                host, wait = self.platform.to_host_later(self.state["active"][:B] if packed is None else packed)
+                rep.read = lambda: (wait(), host.tolist())[1]
+            elif chooser or self.span_steps:
+                rep.read = lambda: self._read_after_replay(B, packed)
+            else:
+                rep.read = lambda: self.state["active"][:B].tolist()
+            return rep
+
+        def take(rep: _Launched, behind: _Launched | None) -> None:
+            """The read after replay `rep`; `behind`: a replay launched since (before the read), or None."""
+            nonlocal steps, idle
+            read, B, N, K = rep.read(), rep.B, rep.N, rep.K
+            rows = _rows_that_ran(rep.owners, owner)
+            if not rows:  # every row had ended: it ran for nothing
+                return
+            steps += N
+            if pending:
+                idle += (S - len(rows)) * N
+            k_per_step.extend([K] * N)
+            for s in rows:
+                slot_ks[s] += [K] * N
+            if len(read) > B:  # the packed read: active flags, lengths, the chooser's counts
+                for s in rows:
+                    live[s] = read[B + s]
+                    most[s] = live[s] - len(encoded[owner[s]]) + (behind.grows if behind else 0)
+                if chooser:
+                    chooser.seen(read[2 * B:], {s: live[s] for s in rows})  # rows [0, B)'s counters
+            finish([s for s in rows if not read[s]], behind is not None)
+            if progress is not None:
+                report()
+
+        while pending or unread or any(o is not None for o in owner):
+            if unread and not ahead([s for s in range(S) if owner[s] is not None]):
+                take(unread.pop(), None)  # the next launch waits for its read
+                continue
             free = [s for s in range(S) if owner[s] is None]
             if admits_now(len(free), len(pending), S - len(free), idle, wait):
                 admit = [(s, pending.popleft()) for s in free[: len(pending)]]
                 idle = 0
                 for s, r in admit:
                     owner[s] = r
-                    live[s] = len(encoded[r]) + 1
+                    live[s], most[s] = len(encoded[r]) + 1, 1
                     if chooser:
                         chooser.admit(s)
                 # the next K is chosen while the prefill runs, for every row busy after it (one that ends at its
@@ -552,40 +473,22 @@ class DecoderBase(StepTimes):
                     act = self._prefill(slots, [encoded[r] for r in reqs], [max_new_tokens] * len(reqs),
                                         [req_seeds[r] for r in reqs], params, pick if g == len(groups) - 1 else None)
                     prefills += 1
-                    finish([s for s, a in zip(slots, act) if not a])
+                    finish([s for s, a in zip(slots, act) if not a], False)
             busy = [s for s in range(S) if owner[s] is not None]
             if not busy:
                 if progress is not None:
                     report()
                 continue
-            B, N = self.config.bucket_for(max(busy) + 1), self.config.steps_per_graph
-            K = chooser.pick({s: live[s] for s in busy}) if chooser else self.K
-            packed = self._run_steps(B, params.greedy, K, max(live[s] for s in busy))
-            ran[0] = B
+            rep = launch(busy)
             collect()  # while the replay runs
-            steps += N
-            if pending:
-                idle += (S - len(busy)) * N
-            k_per_step += [K] * N
-            for s in busy:
-                slot_ks[s] += [K] * N
             if chooser:
-                chooser.ahead(K, N, {s: live[s] for s in busy})  # while the replay runs
-            if chooser or self.span_steps:
-                # the one host read per replay: which rows are active, their lengths (the chooser's step times
-                # and the next eager span follow them), the chooser's counts
-                read = self._read_after_replay(B, packed)
-                active = read[:B]
-                for s in busy:
-                    live[s] = read[B + s]
-                if chooser:
-                    chooser.seen(read[2 * B:], {s: live[s] for s in busy})  # rows [0, B)'s counters
+                chooser.ahead(rep.K, rep.N, {s: live[s] for s in busy})  # while the replay runs
+            if unread:
+                take(unread.pop(), rep)
+            if rep.ahead:
+                unread.append(rep)
             else:
-                active = self.state["active"][:B].tolist()  # the one host read per replay
-            done = [s for s in busy if not active[s]]
-            finish(done)  # the K chosen during the replay serves the rows left (ChoiceAhead: one replay stale)
-            if progress is not None:
-                report()
+                take(rep, None)  # the K chosen during the replay serves the rows left (ChoiceAhead: one replay stale)
 
         collect()
         return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0, k_per_step))
@@ -614,6 +517,28 @@ class DecoderBase(StepTimes):
             request_steps=request_steps,
             k_per_step=k_per_step,
         )
+
+
+def _rows_that_ran(owners: dict[int, int], owner: list[int | None]) -> list[int]:
+    """The rows of a replay launched for ``owners`` ({slot: request}) whose requests ran in it, by ``owner`` now: a
+    row that ended in the replay before it (read after its launch) is free now, or holds another request."""
+    return [s for s, r in owners.items() if owner[s] == r]
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A replay of N steps of K drafts over bucket B, launched for the requests of the busy rows ({slot: request});
+    ``read()``: the host's read after it; ``ahead``: launched to be read after the next launch."""
+    B: int
+    K: int
+    N: int
+    owners: dict
+    ahead: bool
+    read: Callable[[], list] | None = None
+
+    @property
+    def grows(self) -> int:
+        return self.N * (self.K + 1)  # positions it may add to a row
 
 
 def request_seed(seed: int, i: int) -> int:

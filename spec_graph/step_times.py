@@ -302,12 +302,13 @@ class StepTimes:
         ``host_times`` share per step (none where it was not measured)."""
         return self._prices(greedy, B)(length)
 
-    def _prices(self, greedy: bool, B: int):
+    def _prices(self, greedy: bool, B: int, host_waits: bool = True):
         """``_times_for(greedy, B, length)`` as a function of `length`, with the table read once (the engine prices
-        every choice of a call with it, several per replay with one busy row)."""
+        every choice of a call with it, several per replay with one busy row). ``host_waits=False``: without the
+        host's share, for a replay launched before the read of the one before it (the device does not wait)."""
         measured = sorted({b for (g, b, _) in self.step_times if g == greedy})
         b = next((m for m in measured if m >= B), measured[-1] if measured else B)
-        host = self.host_times.get((greedy, b), 0.0) / self.config.steps_per_graph
+        host = self.host_times.get((greedy, b), 0.0) / self.config.steps_per_graph if host_waits else 0.0
         entries = [(K, t) for K in self.k_choices if (t := self.step_times.get((greedy, b, K))) is not None]
 
         def at(length: float) -> dict[int, float]:

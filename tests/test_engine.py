@@ -475,7 +475,7 @@ def test_an_eager_prefill_runs_at_its_prompts_own_length(llama_pair, monkeypatch
 def test_only_padded_prefill_shapes_replay_graphs(llama_pair, monkeypatch):
     """3 prompts of 300 positions pad to 3 x 512, over the graphs' 1024 positions: they run eagerly at 3 x 300,
     and that unpadded shape must not get a graph of its own (one per odd length), though 900 positions fit."""
-    import spec_graph.runtime as rt
+    import spec_graph.prefill as rt
 
     target, draft = llama_pair
     dec = decoder(target, draft, 3, max_len=1024)

@@ -589,7 +589,9 @@ def test_loaded_step_is_captured_per_bucket(exported, reference):
     out = runner.generate(PROMPTS, max_new_tokens=20)
     assert [r.token_ids for r in out] == [r.token_ids for r in reference()]
     assert set(runner.graphs.graphs) == {(True, b, K) for b in SIZES}
-    assert plat.events.count("record") == len(SIZES) and plat.events.count("replay") == out.stats.steps
+    assert plat.events.count("record") == len(SIZES)
+    # every step a replay; more only where a replay launched ahead of the last one's read found its rows all ended
+    assert out.stats.steps <= plat.events.count("replay") <= out.stats.steps + runner.launched_ahead
 
 
 def test_inductor_options_unknown_to_this_torch_are_left_out(monkeypatch):
