@@ -306,8 +306,8 @@ def main():
     for w in WORKLOADS:
         print(f"\n{w}: {a.prompts} prompts, B={B}, {a.max_new_tokens} new tokens, median of {a.rounds} calls")
         print("| chooser | ms per call | min | replays | prefills | prefill ms | table ms | rest us/replay | "
-              "tok/step | mean K | tokens as auto's |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "tok/step | mean K | K changes | tokens as auto's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         N = dec.config.steps_per_graph
         for name in names:
             walls = [x[0] for x in res[(name, w)]]
@@ -319,7 +319,8 @@ def main():
                                      for x in res[(name, w)])
             print(f"| {name} | {1e3 * statistics.median(walls):.2f} | {1e3 * min(walls):.2f} | {st.steps} | "
                   f"{st.prefills} | {1e3 * pre:.2f} | {1e3 * table:.2f} | {1e6 * rest:.1f} | "
-                  f"{st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | {'yes' if same else 'no'} |")
+                  f"{st.tokens_per_step:.2f} | {statistics.fmean(st.k_per_step):.2f} | "
+                  f"{sum(a != b for a, b in zip(st.k_per_step, st.k_per_step[1:]))} | {'yes' if same else 'no'} |")
         print("- loop - table, us per replay by K (mean / median, cycles): " + "; ".join(
             f"{name}: " + ", ".join(
                 f"K={k} {1e6 * statistics.fmean(v):.1f} / {1e6 * statistics.median(v):.1f} ({len(v)})"

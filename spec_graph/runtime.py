@@ -260,8 +260,9 @@ class DecoderBase(StepTimes, Prefills):
                  top_k: int = 0, seed: int | None = None, stop_token_ids=None, *, progress=None) -> GenerationOutput:
         """One result per prompt, with ``.stats``. Every argument is checked first: a bad one is a ValueError
         naming it. Calls from several threads run one after the other (the slots and buffers are shared).
-        ``progress(done_tokens, total_tokens)``, when given, is called after each prefill and step replay
-        (``total_tokens`` is prompts x max_new_tokens; stop tokens may end a request earlier)."""
+        ``progress(done_tokens, total_tokens)``, when given, is called after each step replay's read, with the tokens
+        that read counts (it reads nothing more), and once at the end with every token (``total_tokens`` is prompts
+        x max_new_tokens; stop tokens may end a request earlier)."""
         self._check_config()
         params = SamplingParams(temperature, top_p, top_k)
         encoded = self._encode(prompts, max_new_tokens)
@@ -331,10 +332,11 @@ class DecoderBase(StepTimes, Prefills):
         live = [0] * S  # each busy slot's committed length, as last read (the chooser's step times follow it)
 
         prices: dict = {}  # (bucket, host waits): its step times as a function of length (fixed during a call)
-        # A replay over enough busy rows is launched before the read of the one before it, where the host's reads
-        # do not drain the device each replay (a progress callback reads the device after each)
-        aheads = self.launch_ahead and progress is None
+        # A replay over enough busy rows is launched before the read of the one before it (launch_ahead)
+        aheads = self.launch_ahead
         most = [0] * S  # per busy slot: the most tokens its request can have committed, through every launch
+        made = [0] * S  # per busy slot: the tokens its request had committed at the last read that says
+        finished = [0]  # tokens of the requests finished, as last read (progress)
 
         def ahead(slots) -> bool:
             """Whether the next replay over `slots` goes before the read of the last: enough rows, one of which
@@ -374,6 +376,7 @@ class DecoderBase(StepTimes, Prefills):
             for s in slots:
                 owner[s] = None
                 slot_ks[s] = []
+                finished[0] += made[s]
 
         def collect() -> None:
             """The results of the rows ``finish`` freed, built (their tokens decoded) where the host would wait for
@@ -397,11 +400,8 @@ class DecoderBase(StepTimes, Prefills):
 
         total = len(encoded) * max_new_tokens
 
-        def report() -> None:  # tokens committed so far: finished requests' plus the busy slots' counts
-            collect()
-            n_out = self.state["n_out"][:S].tolist()
-            done = sum(len(r.token_ids) for r in results if r is not None)
-            progress(done + sum(n_out[s] for s in range(S) if owner[s] is not None), total)
+        def report() -> None:  # tokens committed so far, as last read: finished requests' and the busy slots'
+            progress(finished[0] + sum(made[s] for s in range(S) if owner[s] is not None), total)
 
         idle = 0  # slot-steps the free slots have waited with requests queued, since the last admission
         self.launched_ahead = 0
@@ -414,14 +414,17 @@ class DecoderBase(StepTimes, Prefills):
             longest = max(live[s] for s in busy) + sum(r.grows for r in unread)
             packed = self._run_steps(B, params.greedy, K, longest)
             ran[0] = B
+            counts = packed is None and progress is not None  # the rows' counts read too: progress reads no more
+            if counts:
+                packed = torch.cat((self.state["active"][:B].long(), self.state["n_out"][:B]))
             for s in busy:
                 most[s] += N * (K + 1)
-            rep = _Launched(B, K, N, {s: owner[s] for s in busy}, ahead(busy))
+            rep = _Launched(B, K, N, {s: owner[s] for s in busy}, ahead(busy), counts)
             self.launched_ahead += bool(unread)
             if rep.ahead:  # read once the next replay is launched: its copy, taken now, waits for nothing
                 host, wait = self.platform.to_host_later(self.state["active"][:B] if packed is None else packed)
                 rep.read = lambda: (wait(), host.tolist())[1]
-            elif chooser or self.span_steps:
+            elif packed is not None:
                 rep.read = lambda: self._read_after_replay(B, packed)
             else:
                 rep.read = lambda: self.state["active"][:B].tolist()
@@ -440,10 +443,14 @@ class DecoderBase(StepTimes, Prefills):
             k_per_step.extend([K] * N)
             for s in rows:
                 slot_ks[s] += [K] * N
-            if len(read) > B:  # the packed read: active flags, lengths, the chooser's counts
+            if len(read) > B:  # active flags, then the rows' lengths (and the chooser's counts) or token counts
                 for s in rows:
-                    live[s] = read[B + s]
-                    most[s] = live[s] - len(encoded[owner[s]]) + (behind.grows if behind else 0)
+                    if rep.counts:
+                        made[s] = read[B + s]
+                    else:
+                        live[s] = read[B + s]
+                        made[s] = live[s] - len(encoded[owner[s]])
+                    most[s] = made[s] + (behind.grows if behind else 0)
                 if chooser:
                     chooser.seen(read[2 * B:], {s: live[s] for s in rows})  # rows [0, B)'s counters
             finish([s for s in rows if not read[s]], behind is not None)
@@ -460,7 +467,7 @@ class DecoderBase(StepTimes, Prefills):
                 idle = 0
                 for s, r in admit:
                     owner[s] = r
-                    live[s], most[s] = len(encoded[r]) + 1, 1
+                    live[s], most[s], made[s] = len(encoded[r]) + 1, 1, 1
                     if chooser:
                         chooser.admit(s)
                 # the next K is chosen while the prefill runs, for every row busy after it (one that ends at its
@@ -491,6 +498,8 @@ class DecoderBase(StepTimes, Prefills):
                 take(rep, None)  # the K chosen during the replay serves the rows left (ChoiceAhead: one replay stale)
 
         collect()
+        if progress is not None:  # exact, where a row ended at its prefill with nothing committed
+            progress(sum(len(r.token_ids) for r in results), total)
         return GenerationOutput(results, self._stats(results, steps, prefills, time.perf_counter() - t0, k_per_step))
 
     def _decode(self, ids: list[int]) -> str:
@@ -534,6 +543,7 @@ class _Launched:
     N: int
     owners: dict
     ahead: bool
+    counts: bool = False  # its read holds the rows' token counts after their active flags (else their lengths)
     read: Callable[[], list] | None = None
 
     @property

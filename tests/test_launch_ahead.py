@@ -126,12 +126,13 @@ def test_launched_ahead_on_the_device(llama_pair, k):
                           max_batch_size=4, batch_buckets=(2, 4))
     dec = SpecDecoder.from_pretrained(target, draft, cfg)
     assert dec.graphs is not None and dec.launch_ahead
-    outs = []
-    for ahead in (False, True):
+    outs, seen = [], []
+    for ahead in (False, True):  # launched ahead with a progress callback, whose counts come with the reads
         dec.launch_ahead = ahead
-        outs.append(dec.generate(PROMPTS, MAX_NEW))
+        outs.append(dec.generate(PROMPTS, MAX_NEW, progress=(lambda d, t: seen.append(d)) if ahead else None))
         assert (dec.launched_ahead >= 5) == ahead
     serial, out = outs
+    assert seen[0] >= 2 * 4 and seen == sorted(seen) and seen[-1] == sum(len(r.token_ids) for r in out)
     assert [r.token_ids for r in serial] == [hf_greedy(target, p, MAX_NEW) for p in PROMPTS]
     if k == "auto":
         assert [r.token_ids for r in out] == [r.token_ids for r in serial]
@@ -139,3 +140,22 @@ def test_launched_ahead_on_the_device(llama_pair, k):
         assert all(0 <= a <= k for r in out for a, k in zip(r.accepted_counts, r.k_per_step))
     else:
         check_same(out, serial)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_progress_launched_ahead(llama_pair, serial, monkeypatch, counted):
+    """A progress callback leaves replays launched ahead (its counts come with each replay's read): it rises as
+    the call runs and ends at the tokens made. The broken variant takes the read's token counts for lengths."""
+    if not counted:
+        real = runtime._Launched
+        monkeypatch.setattr(runtime, "_Launched", lambda *a: real(*a[:5], False))
+    seen = []
+    dec = engine(llama_pair, ahead=True)
+    out = dec.generate(PROMPTS, MAX_NEW, progress=lambda done, total: seen.append((done, total)))
+    assert [r.token_ids for r in out] == [r.token_ids for r in serial]
+    assert dec.launched_ahead >= 5
+    made = sum(len(r.token_ids) for r in out)
+    assert seen[-1] == (made, len(PROMPTS) * MAX_NEW)
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    # the first read: four rows, each with its prefill's token and at least one more from the step
+    assert (seen[0][0] >= 2 * 4) == counted
