@@ -2,6 +2,7 @@
 that records and replays: the same tokens, per-request counts and Ks as the loop that reads each replay first, and
 HF's greedy tokens; rows that end in one replay, and new requests in their slots, stay apart."""
 import pytest
+import torch
 from helpers import fake_platform, hf_greedy
 
 from spec_graph import SpecDecoder, SpecGraphConfig, runtime
@@ -159,3 +160,29 @@ def test_progress_launched_ahead(llama_pair, serial, monkeypatch, counted):
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
     # the first read: four rows, each with its prefill's token and at least one more from the step
     assert (seen[0][0] >= 2 * 4) == counted
+
+
+@pytest.mark.parametrize("clears", [True, False])
+def test_a_call_cut_short_behind_a_launch(llama_pair, serial, monkeypatch, clears):
+    """A call stopped (an exception from progress) while a replay launched ahead is unread leaves the engine ready:
+    the next call gives its requests' tokens and steps no row the cut call left. The broken variant skips the next
+    call's clearing of the rows left active (such a row is then stepped again)."""
+    dec = engine(llama_pair, ahead=True, batch_buckets=(4,))  # every call's replays span rows 0-3
+    calls = []
+
+    def stop_after_three_reads(done, total):
+        calls.append(done)
+        if len(calls) == 3:
+            assert dec.launched_ahead >= 2  # stopped with a replay launched ahead, unread
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate(PROMPTS, MAX_NEW, progress=stop_after_three_reads)
+    row = max(s for s in range(1, 4) if dec.state["active"][s])  # left active; the next call's one request takes 0
+    steps = dec.state["steps"][row].item()
+    if not clears:
+        active = dec.state["active"]
+        monkeypatch.setitem(dec.state, "active", type("Kept", (torch.Tensor,), {"zero_": lambda self: self})(active))
+    out = dec.generate(PROMPTS[:1], MAX_NEW)
+    assert out[0].token_ids == serial[0].token_ids
+    assert (dec.state["steps"][row].item() == steps) == clears
