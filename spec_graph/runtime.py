@@ -335,8 +335,10 @@ class DecoderBase(StepTimes, Prefills):
         # A replay over enough busy rows is launched before the read of the one before it (launch_ahead)
         aheads = self.launch_ahead
         most = [0] * S  # per busy slot: the most tokens its request can have committed, through every launch
-        made = [0] * S  # per busy slot: the tokens its request had committed at the last read that says
-        finished = [0]  # tokens of the requests finished, as last read (progress)
+        made = [0] * S  # per busy slot: the tokens its request had committed at the last read (progress)
+        finished = [0]  # tokens of the requests finished (progress)
+        uncounted: set[int] = set()  # requests that ended at their prefill: counted once their results are built
+        admissions = [0]  # admissions so far: a replay launched before the last one credits no wait to it
 
         def ahead(slots) -> bool:
             """Whether the next replay over `slots` goes before the read of the last: enough rows, one of which
@@ -360,10 +362,11 @@ class DecoderBase(StepTimes, Prefills):
         # a request commits at most max_new_tokens tokens in as many steps, so that much of each buffer (not max_len)
         L = min(max_new_tokens, self.out_buf.shape[1])
 
-        def finish(slots: list[int], behind: bool) -> None:
+        def finish(slots: list[int], behind: bool, counted: bool = True) -> None:
             """Frees `slots` at once; their results are gathered and copied to the host now (later work that reuses a
             slot comes after in stream order), and built into results by ``collect`` after the next launch.
-            ``behind``: a replay launched since runs; the copy does not wait for it."""
+            ``behind``: a replay launched since runs; the copy does not wait for it. ``counted``: their requests'
+            tokens were read (else progress counts them from their results)."""
             if not slots:
                 return
             idx = torch.tensor(slots, device=self.device)
@@ -374,9 +377,12 @@ class DecoderBase(StepTimes, Prefills):
             copy = self.platform.to_host_later if behind else self.platform.to_host
             later.append(([owner[s] for s in slots], [slot_ks[s] for s in slots], *copy(rows)))
             for s in slots:
+                if counted:
+                    finished[0] += made[s]
+                else:
+                    uncounted.add(owner[s])
                 owner[s] = None
                 slot_ks[s] = []
-                finished[0] += made[s]
 
         def collect() -> None:
             """The results of the rows ``finish`` freed, built (their tokens decoded) where the host would wait for
@@ -394,6 +400,8 @@ class DecoderBase(StepTimes, Prefills):
                     else:
                         reason = "length"
                     n = nsteps - 1
+                    if r in uncounted:
+                        finished[0] += n_out
                     results[r] = GenerationResult(toks, self._decode(toks), reason, encoded[r],
                                                   rows[j][3 + L: 3 + L + n], ks[j][:n])
             later.clear()
@@ -414,12 +422,14 @@ class DecoderBase(StepTimes, Prefills):
             longest = max(live[s] for s in busy) + sum(r.grows for r in unread)
             packed = self._run_steps(B, params.greedy, K, longest)
             ran[0] = B
-            counts = packed is None and progress is not None  # the rows' counts read too: progress reads no more
+            # with a progress callback the rows' token counts are read too, last: it reads nothing of its own
+            counts = progress is not None
             if counts:
-                packed = torch.cat((self.state["active"][:B].long(), self.state["n_out"][:B]))
+                first = self.state["active"][:B].long() if packed is None else packed
+                packed = torch.cat((first, self.state["n_out"][:B]))
             for s in busy:
                 most[s] += N * (K + 1)
-            rep = _Launched(B, K, N, {s: owner[s] for s in busy}, ahead(busy), counts)
+            rep = _Launched(B, K, N, {s: owner[s] for s in busy}, ahead(busy), counts, admissions[0])
             self.launched_ahead += bool(unread)
             if rep.ahead:  # read once the next replay is launched: its copy, taken now, waits for nothing
                 host, wait = self.platform.to_host_later(self.state["active"][:B] if packed is None else packed)
@@ -434,25 +444,27 @@ class DecoderBase(StepTimes, Prefills):
             """The read after replay `rep`; `behind`: a replay launched since (before the read), or None."""
             nonlocal steps, idle
             read, B, N, K = rep.read(), rep.B, rep.N, rep.K
+            if rep.counts:  # the rows' token counts, after what the replay reads otherwise
+                read, n_out = read[:-B], read[-B:]
             rows = _rows_that_ran(rep.owners, owner)
             if not rows:  # every row had ended: it ran for nothing
                 return
             steps += N
-            if pending:
+            if pending and rep.admissions == admissions[0]:
                 idle += (S - len(rows)) * N
             k_per_step.extend([K] * N)
             for s in rows:
                 slot_ks[s] += [K] * N
-            if len(read) > B:  # active flags, then the rows' lengths (and the chooser's counts) or token counts
-                for s in rows:
-                    if rep.counts:
-                        made[s] = read[B + s]
-                    else:
-                        live[s] = read[B + s]
-                        made[s] = live[s] - len(encoded[owner[s]])
+            lens = len(read) > B  # active flags, then the rows' lengths and the chooser's counts
+            for s in rows:
+                if lens:
+                    live[s] = read[B + s]
+                if lens or rep.counts:
+                    # (a row that ends may add tokens past a stop or its max_new to its length, not to its count)
+                    made[s] = n_out[s] if rep.counts else live[s] - len(encoded[owner[s]])
                     most[s] = made[s] + (behind.grows if behind else 0)
-                if chooser:
-                    chooser.seen(read[2 * B:], {s: live[s] for s in rows})  # rows [0, B)'s counters
+            if lens and chooser:
+                chooser.seen(read[2 * B:], {s: live[s] for s in rows})  # rows [0, B)'s counters
             finish([s for s in rows if not read[s]], behind is not None)
             if progress is not None:
                 report()
@@ -465,6 +477,7 @@ class DecoderBase(StepTimes, Prefills):
             if admits_now(len(free), len(pending), S - len(free), idle, wait):
                 admit = [(s, pending.popleft()) for s in free[: len(pending)]]
                 idle = 0
+                admissions[0] += 1
                 for s, r in admit:
                     owner[s] = r
                     live[s], most[s], made[s] = len(encoded[r]) + 1, 1, 1
@@ -480,7 +493,7 @@ class DecoderBase(StepTimes, Prefills):
                     act = self._prefill(slots, [encoded[r] for r in reqs], [max_new_tokens] * len(reqs),
                                         [req_seeds[r] for r in reqs], params, pick if g == len(groups) - 1 else None)
                     prefills += 1
-                    finish([s for s, a in zip(slots, act) if not a], False)
+                    finish([s for s, a in zip(slots, act) if not a], False, counted=False)
             busy = [s for s in range(S) if owner[s] is not None]
             if not busy:
                 if progress is not None:
@@ -543,7 +556,8 @@ class _Launched:
     N: int
     owners: dict
     ahead: bool
-    counts: bool = False  # its read holds the rows' token counts after their active flags (else their lengths)
+    counts: bool = False  # its read ends with the rows' token counts
+    admissions: int = 0  # the call's admissions before its launch
     read: Callable[[], list] | None = None
 
     @property

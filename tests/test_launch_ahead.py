@@ -1,6 +1,9 @@
 """Replays launched ahead of the read of the one before (``DecoderBase.launch_ahead``), on a CPU stand-in platform
 that records and replays: the same tokens, per-request counts and Ks as the loop that reads each replay first, and
 HF's greedy tokens; rows that end in one replay, and new requests in their slots, stay apart."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import fake_platform, hf_greedy
@@ -148,8 +151,7 @@ def test_progress_launched_ahead(llama_pair, serial, monkeypatch, counted):
     """A progress callback leaves replays launched ahead (its counts come with each replay's read): it rises as
     the call runs and ends at the tokens made. The broken variant takes the read's token counts for lengths."""
     if not counted:
-        real = runtime._Launched
-        monkeypatch.setattr(runtime, "_Launched", lambda *a: real(*a[:5], False))
+        _without_counts(monkeypatch)
     seen = []
     dec = engine(llama_pair, ahead=True)
     out = dec.generate(PROMPTS, MAX_NEW, progress=lambda done, total: seen.append((done, total)))
@@ -157,9 +159,50 @@ def test_progress_launched_ahead(llama_pair, serial, monkeypatch, counted):
     assert dec.launched_ahead >= 5
     made = sum(len(r.token_ids) for r in out)
     assert seen[-1] == (made, len(PROMPTS) * MAX_NEW)
-    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
-    # the first read: four rows, each with its prefill's token and at least one more from the step
-    assert (seen[0][0] >= 2 * 4) == counted
+    # rising, and from the first read: four rows, each with its prefill's token and at least one more from the step
+    right = all(a[0] <= b[0] for a, b in zip(seen, seen[1:])) and seen[0][0] >= 2 * 4
+    assert right == counted
+
+
+def _without_counts(monkeypatch):
+    """The broken variant: each replay's read of the rows' token counts ignored, their counts taken from their
+    lengths (which a row's last step may carry past a stop token or its max_new)."""
+    real = runtime._Launched
+    monkeypatch.setattr(runtime, "_Launched", lambda *a: real(*a[:5], False, *a[6:]))
+
+
+AUTO = {"num_speculative_tokens": "auto", "max_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("kw,counted", [({}, True), ({"graphs": False}, True), (AUTO, True),
+                                        ({"graphs": False}, False)], ids=["graphs", "eager", "auto", "broken"])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_progress_never_passes_the_tokens_made(llama_pair, monkeypatch, kw, counted, ahead):
+    """Rows that end by their length on a step of K drafts: progress rises, never past the tokens made."""
+    if not counted:
+        _without_counts(monkeypatch)
+    seen = []
+    out = engine(llama_pair, ahead, **kw).generate(PROMPTS[:4], 4, progress=lambda d, t: seen.append(d))
+    assert [r.finish_reason for r in out] == ["length"] * 4
+    made = sum(len(r.token_ids) for r in out)
+    assert (seen == sorted(seen) and max(seen) == seen[-1] == made) == counted, seen
+
+
+def test_progress_with_a_request_ended_at_its_prefill(llama_pair, tmp_path):
+    """A request whose prompt gives non-finite logits ends at its prefill with nothing: progress still only rises."""
+    from safetensors.torch import load_file, save_file
+
+    target, draft = llama_pair
+    bad = Path(tmp_path) / "t"
+    shutil.copytree(target, bad)
+    f = bad / "model.safetensors"
+    state = load_file(str(f))
+    state["model.embed_tokens.weight"][95] = float("nan")  # no prompt here holds it
+    save_file(state, str(f), metadata={"format": "pt"})
+    seen = []
+    out = engine((str(bad), draft), True).generate(PROMPTS + [[95, 3, 4]], MAX_NEW, progress=lambda d, t: seen.append(d))
+    assert out[-1].finish_reason == "error" and out[-1].token_ids == []
+    assert seen == sorted(seen) and seen[-1] == sum(len(r.token_ids) for r in out)
 
 
 @pytest.mark.parametrize("clears", [True, False])
