@@ -317,3 +317,26 @@ def test_bench_auto_host_chain_table_puts_the_state_back(llama_pair, restored):
             dec._read_after_replay(2, dec._timed_run((True, 2, 1), 16)())
     same = all(torch.equal(before[k], v) for k, v in dec.state.items())
     assert same == restored
+
+
+@pytest.mark.parametrize("name", ["ahead", "flags only", "serial", "ahead at 1"])
+def test_bench_launch_ahead_variants_put_the_engine_back(llama_pair, name):
+    """Each variant of bench_launch_ahead.py runs as it says (one row alone is launched ahead only "at 1"; a serial
+    call launches nothing ahead) and leaves the engine's loop as it was for the next one: its rows-ahead threshold,
+    and the module's rule for reading token counts."""
+    import bench_launch_ahead
+    from helpers import fake_platform
+
+    from spec_graph import SpecDecoder, SpecGraphConfig, runtime
+
+    cfg = SpecGraphConfig(num_speculative_tokens=2, max_len=64, max_batch_size=2, batch_buckets=(2,))
+    base = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    dec = SpecDecoder(base.target, base.draft, base.config, base.tokenizer, (), plat=fake_platform())
+    dec.compiled = False  # the stand-in platform records and replays the eager step
+    rule = runtime._reads_counts
+    one = bench_launch_ahead.run_variant(dec, name, [[5, 9, 17]], 12)
+    two = bench_launch_ahead.run_variant(dec, name, [[5, 9, 17], [40, 41]], 12)
+    assert one[1] == 12 and two[1] == 24
+    assert (one[2] > 0) == (name == "ahead at 1")
+    assert (two[2] > 0) == (name != "serial")
+    assert runtime._reads_counts is rule and dec.AHEAD_ROWS == runtime.DecoderBase.AHEAD_ROWS

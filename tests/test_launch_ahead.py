@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fake_platform, hf_greedy
+from helpers import fake_platform, hf_greedy, perturbed_copy
 
 from spec_graph import SpecDecoder, SpecGraphConfig, runtime
 
@@ -107,6 +107,34 @@ def test_auto_k_launched_ahead(llama_pair, serial):
         assert len(r.k_per_step) == len(r.accepted_counts)
         assert all(0 <= a <= k for a, k in zip(r.accepted_counts, r.k_per_step))
 
+
+
+@pytest.fixture(scope="module")
+def far_draft(llama_pair, tmp_path_factory):
+    """A draft the target often overrules: its steps commit well under K + 1 tokens."""
+    return perturbed_copy(llama_pair[0], tmp_path_factory.mktemp("far") / "draft", noise=0.3)
+
+
+@pytest.mark.parametrize("tightened", [True, False])
+def test_launched_ahead_until_the_rows_near_their_ends(llama_pair, far_draft, monkeypatch, tightened):
+    """At a fixed K, without progress, the host bounds a row's tokens by K + 1 a step. Where that bound alone stops
+    launches ahead, the replay read first brings its rows' token counts, and launches ahead go on; the tokens are
+    the serial loop's. The broken variant reads the active flags alone: launched ahead far less."""
+    if not tightened:
+        monkeypatch.setattr(runtime, "_reads_counts", lambda progress, *rest: progress)
+    outs, ahead = [], []
+    for a in (False, True):
+        dec = engine((llama_pair[0], far_draft), ahead=a)
+        dec.eos_token_ids = ()  # every row ends by its length
+        outs.append(dec.generate(PROMPTS, MAX_NEW))
+        ahead.append(dec.launched_ahead)
+    serial, out = outs
+    assert [r.finish_reason for r in out] == ["length"] * len(PROMPTS)
+    accepted = [a for r in out for a in r.accepted_counts]
+    assert sum(accepted) < len(accepted) and max(accepted) >= 2  # mostly rejected, not always
+    check_same(out, serial)
+    assert ahead[0] == 0
+    assert (ahead[1] >= 0.4 * out.stats.steps) == tightened, (ahead[1], out.stats.steps)
 
 
 def test_a_read_taken_after_the_next_launch_is_caught(llama_pair, serial, monkeypatch):
