@@ -228,7 +228,8 @@ def test_progress_with_a_request_ended_at_its_prefill(llama_pair, tmp_path):
     state["model.embed_tokens.weight"][95] = float("nan")  # no prompt here holds it
     save_file(state, str(f), metadata={"format": "pt"})
     seen = []
-    out = engine((str(bad), draft), True).generate(PROMPTS + [[95, 3, 4]], MAX_NEW, progress=lambda d, t: seen.append(d))
+    out = engine((str(bad), draft), True).generate(PROMPTS + [[95, 3, 4]], MAX_NEW,
+                                                    progress=lambda d, t: seen.append(d))
     assert out[-1].finish_reason == "error" and out[-1].token_ids == []
     assert seen == sorted(seen) and seen[-1] == sum(len(r.token_ids) for r in out)
 
