@@ -16,7 +16,8 @@ runs bench_adaptive.py's three workloads, taking turns call by call among:
 
 Per variant and workload: the median wall time of a call (the garbage collector off) with the spread (max - min)
 / median and the fastest call (greedy calls of one workload do the same work, so the fastest is the one least
-slowed by the machine), tokens per second at the median, replays per call and the share of them launched ahead.
+slowed by the machine), tokens per second at the median, the steps of a call (``stats.steps``: its replays, less
+any that ran for no row) and the replays launched ahead as a share of them.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def main():
     plat = sg_platform.get(a.device)
     print(f"{plat.device_name()}; torch {torch.__version__}; K={a.k}", flush=True)
     wl = workloads(a.prompts)
-    print("| B | workload | variant | median ms | spread | fastest ms | tok/s | replays | launched ahead |")
+    print("| B | workload | variant | median ms | spread | fastest ms | tok/s | steps | launched ahead |")
     print("|---|---|---|---|---|---|---|---|---|")
     for B in (int(b) for b in a.batch_sizes.split(",")):
         cfg = SpecGraphConfig(num_speculative_tokens=a.k, max_batch_size=B, max_len=MAX_LEN, batch_buckets=(B,),

@@ -545,9 +545,10 @@ class DecoderBase(StepTimes, Prefills):
 def _reads_counts(progress: bool, flags_only: bool, ahead: bool, rows_enough: bool) -> bool:
     """Whether a replay's read carries its rows' token counts, after the rest: with a progress callback (which reads
     nothing of its own), and where the read would hold only the active flags (a fixed K's captured step) of a replay
-    read first although enough rows are busy. Their bounds on their tokens (``most``: N * (K + 1) a replay while
-    unread) then say they may have ended: without the counts, launches ahead would stop for the rest of their lives
-    (a fifth of it where steps commit 4 tokens of K=4's 5, more where drafts are rejected)."""
+    read first although enough rows are busy. The busy rows' bounds on their tokens (``most``: N * (K + 1) a replay
+    while unread) then all say they may have ended: without the counts, no replay would be launched ahead until
+    those rows end (the last fifth of their lives where steps commit 4 tokens of K=4's 5, more where drafts are
+    rejected)."""
     return progress or (flags_only and rows_enough and not ahead)
 
 

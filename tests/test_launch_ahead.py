@@ -131,7 +131,7 @@ def test_launched_ahead_until_the_rows_near_their_ends(llama_pair, far_draft, mo
     serial, out = outs
     assert [r.finish_reason for r in out] == ["length"] * len(PROMPTS)
     accepted = [a for r in out for a in r.accepted_counts]
-    assert sum(accepted) < len(accepted) and max(accepted) >= 2  # mostly rejected, not always
+    assert sum(accepted) < 0.3 * len(accepted) and max(accepted) >= 2  # mostly rejected, not always
     check_same(out, serial)
     assert ahead[0] == 0
     assert (ahead[1] >= 0.4 * out.stats.steps) == tightened, (ahead[1], out.stats.steps)
