@@ -93,8 +93,8 @@ def main():
                 secs = [r[0] for r in rs]
                 med = statistics.median(secs)
                 _, toks, ahead, steps = rs[0]
-                print(f"| {B} | {w} | {name} | {1e3 * med:.2f} | {(max(secs) - min(secs)) / med:.1%} | {1e3 * min(secs):.2f} | "
-                      f"{toks / med:.0f} | {steps} | {ahead / max(steps, 1):.0%} |", flush=True)
+                print(f"| {B} | {w} | {name} | {1e3 * med:.2f} | {(max(secs) - min(secs)) / med:.1%} | "
+                      f"{1e3 * min(secs):.2f} | {toks / med:.0f} | {steps} | {ahead / max(steps, 1):.0%} |", flush=True)
 
 
 if __name__ == "__main__":
