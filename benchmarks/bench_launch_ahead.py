@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_adaptive import MAX_LEN, workloads  # noqa: E402
+from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
@@ -43,21 +44,18 @@ VARIANTS = ("ahead", "flags only", "serial", "ahead at 1")
 
 def run_variant(dec, name: str, prompts, max_new: int):
     """One timed call of variant `name`: (seconds, generated tokens, replays launched ahead, replay steps)."""
-    real_counts, real_rows = sg_runtime._reads_counts, dec.AHEAD_ROWS
+    flags_only = {"_reads_counts": lambda progress, *rest: progress} if name == "flags only" else {}
+    one_row = {"AHEAD_ROWS": 1} if name == "ahead at 1" else {}
     dec.launch_ahead = name != "serial"
-    if name == "flags only":
-        sg_runtime._reads_counts = lambda progress, *rest: progress
-    if name == "ahead at 1":
-        dec.AHEAD_ROWS = 1
-    try:
+    with settings_as(sg_runtime, **flags_only), settings_as(dec, **one_row):
         gc.collect()
         gc.disable()
-        t = time.perf_counter()
-        out = dec.generate(prompts, max_new)
-        dt = time.perf_counter() - t
-    finally:
-        gc.enable()
-        sg_runtime._reads_counts, dec.AHEAD_ROWS = real_counts, real_rows
+        try:
+            t = time.perf_counter()
+            out = dec.generate(prompts, max_new)
+            dt = time.perf_counter() - t
+        finally:
+            gc.enable()
     return dt, sum(len(r.token_ids) for r in out), dec.launched_ahead, out.stats.steps
 
 
