@@ -340,10 +340,13 @@ class DecoderBase(StepTimes, Prefills):
         uncounted: set[int] = set()  # requests that ended at their prefill: counted once their results are built
         admissions = [0]  # admissions so far: a replay launched before the last one credits no wait to it
 
+        def enough(slots) -> bool:  # busy rows enough for a replay over them to be launched ahead
+            return aheads and len(slots) >= self.AHEAD_ROWS
+
         def ahead(slots) -> bool:
             """Whether the next replay over `slots` goes before the read of the last: enough rows, one of which
             cannot have ended by its length in the replays launched (so that the next does not run for nothing)."""
-            return aheads and len(slots) >= self.AHEAD_ROWS and any(most[s] < max_new_tokens for s in slots)
+            return enough(slots) and any(most[s] < max_new_tokens for s in slots)
         ran = [None]  # the bucket of the replay launched last (whose K a choice may keep)
 
         def choose(c: KChooser, lens: dict[int, int]) -> int:  # lens: {busy slot: committed length}
@@ -425,8 +428,7 @@ class DecoderBase(StepTimes, Prefills):
             for s in busy:
                 most[s] += N * (K + 1)
             early = ahead(busy)
-            counts = _reads_counts(progress is not None, packed is None, early,
-                                   aheads and len(busy) >= self.AHEAD_ROWS)
+            counts = _reads_counts(progress is not None, packed is None, early, enough(busy))
             if counts:
                 first = self.state["active"][:B].long() if packed is None else packed
                 packed = torch.cat((first, self.state["n_out"][:B]))
