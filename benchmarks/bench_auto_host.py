@@ -1,7 +1,7 @@
 """Where adaptive K's call time goes at one batch bucket: the chooser's host work, or the Ks it chose.
 
     python benchmarks/bench_auto_host.py [--batch-size 8] [--prompts 16] [--max-k 8] [--fixed 1,4]
-        [--rounds 21] [--device cuda] [--auto-set NAME=VALUE ...]
+        [--rounds 21] [--device cuda] [--auto-set NAME=VALUE ...] [--waits W,W]
 
 One auto engine (the embedded pair, bf16 on CUDA, max_len 512, the one bucket B, greedy) runs bench_adaptive's
 three workloads under these choosers, taking turns call by call:
@@ -21,6 +21,8 @@ three workloads under these choosers, taking turns call by call:
                 plus the host's share measured at the smallest K)
   NAME serial   chooser NAME of --serial with the engine's launch ahead off: each replay read before the next
                 launch (the "loop - table" cycles are timed in this form alone)
+  NAME wait=W   auto and each K of --fixed with the engine's admission_wait at W slot-steps (--waits), in place of
+                its default (the batch size)
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
@@ -169,6 +171,9 @@ def main():
     ap.add_argument("--serial", default="", metavar="NAMES",
                     help="comma-separated choosers (auto,K=1,...) run once more each as 'NAME serial': with the "
                          "engine's launch ahead off")
+    ap.add_argument("--waits", default="", metavar="W,W",
+                    help="comma-separated admission_wait values (slot-steps): auto and each K of --fixed run once "
+                         "more at each, as 'NAME wait=W'")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
@@ -193,6 +198,8 @@ def main():
         if name not in names:
             raise SystemExit(f"--serial {name!r}: not one of the choosers {names}")
         names.append(f"{name} serial")
+    for wait in (int(x) for x in a.waits.split(",") if x):
+        names += [f"{name} wait={wait}" for name in ["auto", *(f"K={k}" for k in fixed)]]
     engine_table = (dict(dec.step_times), dict(dec.host_times))  # as measured at capture
     chained = None
     if a.chain_table:
@@ -249,6 +256,7 @@ def main():
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         dec.launch_ahead = launch_ahead and not name.endswith(" serial")
         full, name = name, name.removesuffix(" serial")
+        name, waits, wait = name.partition(" wait=")
         split.update(prefill=0.0, table=0.0)
         if name.startswith("K=") or name.startswith("replayed"):
             Scripted.script = int(name[2:].split()[0]) if name.startswith("K=") else last_ks[w]
@@ -265,7 +273,7 @@ def main():
             setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)
         cycle.update(last=None, name=(full, w) if timed else None)
         try:
-            with setting:
+            with setting, settings_as(dec.config, **({"admission_wait": int(wait)} if waits else {})):
                 plat.synchronize()
                 t = time.perf_counter()
                 out = dec.generate(wl[w], a.max_new_tokens)
