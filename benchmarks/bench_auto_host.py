@@ -152,6 +152,17 @@ def auto_variants(items: list[str]) -> dict[str, dict[str, object]]:
     return out
 
 
+def wait_variants(waits: str, fixed: list[int]) -> list[str]:
+    """--waits "16,32" -> ["auto wait=16", "K=1 wait=16", ..., "auto wait=32", ...]: auto and each fixed K at each
+    admission_wait (slot-steps, a non-negative integer); anything else is refused by name."""
+    out = []
+    for item in filter(None, waits.split(",")):
+        if not item.strip().isdigit():
+            raise SystemExit(f"--waits {waits!r}: {item!r} is not an admission_wait (slot-steps: an integer >= 0)")
+        out += [f"{name} wait={int(item)}" for name in ["auto", *(f"K={k}" for k in fixed)]]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=8)
@@ -180,6 +191,7 @@ def main():
     a = ap.parse_args()
     variants = auto_variants(a.auto_set)
     fixed = [int(x) for x in a.fixed.split(",") if x]
+    waits = wait_variants(a.waits, fixed)
     B = a.batch_size
     cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=a.max_k, max_batch_size=B,
                           max_len=MAX_LEN, batch_buckets=(B,), device=a.device)
@@ -198,8 +210,7 @@ def main():
         if name not in names:
             raise SystemExit(f"--serial {name!r}: not one of the choosers {names}")
         names.append(f"{name} serial")
-    for wait in (int(x) for x in a.waits.split(",") if x):
-        names += [f"{name} wait={wait}" for name in ["auto", *(f"K={k}" for k in fixed)]]
+    names += waits
     engine_table = (dict(dec.step_times), dict(dec.host_times))  # as measured at capture
     chained = None
     if a.chain_table:

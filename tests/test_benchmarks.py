@@ -283,6 +283,20 @@ def test_bench_auto_host_variants_parse_and_refuse_bad_input(item, message):
         bench_auto_host.auto_variants([item])
 
 
+@pytest.mark.parametrize("waits, message", [("16,x", "'x' is not an admission_wait"),
+                                            ("-1", "'-1' is not an admission_wait"), ("1.5", "'1.5'")])
+def test_bench_auto_host_waits_name_their_variants_and_refuse_bad_input(waits, message):
+    """--waits names auto and each fixed K once more at each wait, in order, and the call runs each at that wait (the
+    name's suffix); a wait that is not a non-negative integer is refused by name."""
+    import bench_auto_host
+
+    assert bench_auto_host.wait_variants("16,0", [1, 4]) == [
+        "auto wait=16", "K=1 wait=16", "K=4 wait=16", "auto wait=0", "K=1 wait=0", "K=4 wait=0"]
+    assert bench_auto_host.wait_variants("", [1]) == []
+    with pytest.raises(SystemExit, match=message):
+        bench_auto_host.wait_variants(waits, [1])
+
+
 def test_the_chooser_reads_its_decay_setting_when_made():
     """A variant's DECAY reaches the choosers the engine makes while it is set (as the other settings, read at
     each use, do), and the engine's own after."""
