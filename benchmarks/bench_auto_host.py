@@ -267,7 +267,7 @@ def main():
         fork_rows = ChoiceAhead.MAX_FORK_ROWS
         dec.launch_ahead = launch_ahead and not name.endswith(" serial")
         full, name = name, name.removesuffix(" serial")
-        name, waits, wait = name.partition(" wait=")
+        name, at_wait, wait = name.partition(" wait=")
         split.update(prefill=0.0, table=0.0)
         if name.startswith("K=") or name.startswith("replayed"):
             Scripted.script = int(name[2:].split()[0]) if name.startswith("K=") else last_ks[w]
@@ -284,7 +284,7 @@ def main():
             setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)
         cycle.update(last=None, name=(full, w) if timed else None)
         try:
-            with setting, settings_as(dec.config, **({"admission_wait": int(wait)} if waits else {})):
+            with setting, settings_as(dec.config, **({"admission_wait": int(wait)} if at_wait else {})):
                 plat.synchronize()
                 t = time.perf_counter()
                 out = dec.generate(wl[w], a.max_new_tokens)

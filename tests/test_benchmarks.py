@@ -286,8 +286,8 @@ def test_bench_auto_host_variants_parse_and_refuse_bad_input(item, message):
 @pytest.mark.parametrize("waits, message", [("16,x", "'x' is not an admission_wait"),
                                             ("-1", "'-1' is not an admission_wait"), ("1.5", "'1.5'")])
 def test_bench_auto_host_waits_name_their_variants_and_refuse_bad_input(waits, message):
-    """--waits names auto and each fixed K once more at each wait, in order, and the call runs each at that wait (the
-    name's suffix); a wait that is not a non-negative integer is refused by name."""
+    """--waits names auto and each fixed K once more at each wait, in order, each name ending in its wait; a wait that
+    is not a non-negative integer is refused by name."""
     import bench_auto_host
 
     assert bench_auto_host.wait_variants("16,0", [1, 4]) == [
