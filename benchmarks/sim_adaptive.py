@@ -2,7 +2,8 @@
 
     python benchmarks/sim_adaptive.py [--times 0.294,0.399,0.501,0.606,0.815,1.031] [--k-set 1,2,3,4,6,8]
         [--overhead 0.09] [--prefill-ms 0] [--batch-size 1] [--prompts 8] [--decays 0.9,0.95,0.98] [--temperature 0]
-        [--device cpu] [--admission-wait W] [--prior-shrinks 0.9:4] [--seeds 0,1,2] [--variants all|engine]
+        [--device cpu] [--admission-wait W] [--prior-shrinks 0.9:4] [--choose-every 2,3] [--seeds 0,1,2]
+        [--variants all|engine]
         [--skip-fixed] [--oracle]
 
 Acceptance does not depend on the device: the engine runs the embedded pair on bench_adaptive.py's workloads
@@ -25,6 +26,7 @@ outcome alone, fitted to the same runs (a bound on choosers that remember one st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import sys
@@ -38,6 +40,7 @@ import bench_adaptive as ba  # noqa: E402
 import torch  # noqa: E402
 from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
+from spec_graph import runtime as sg_runtime  # noqa: E402
 
 
 def engine(k, B: int, kmax: int, device: str, admission_wait: int | None = None) -> SpecDecoder:
@@ -56,6 +59,31 @@ def prior_as(*values: float):
     it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN), at up to EXPLORE_ROWS busy rows:
     `values` in PRIOR_SETTINGS' order, the others as the engine has them."""
     return settings_as(adaptive, **dict(zip(PRIOR_SETTINGS, values)))
+
+
+@contextlib.contextmanager
+def choosing_every(n: int):
+    """The engine's chooser, for the calls inside, choosing and observing only every `n`-th replay where it chooses
+    from the batch's counts (more than one busy row, or N > 1), and keeping the K running between: its host work
+    there cut to 1/n, its choices later. (Where it forks per outcome, at one busy row, it works every replay.)"""
+    real = sg_runtime.ChoiceAhead
+
+    class Every(real):
+        replays = 0
+
+        def ahead(self, k, steps, lens):
+            if not (steps == 1 and len(lens) <= self.MAX_FORK_ROWS):
+                self.replays += 1
+                if self.replays % n:  # the counts read meanwhile are cumulative: the next observe takes them all
+                    self._spent, self._next, self.chooser.last_k = None, k, k
+                    return
+            super().ahead(k, steps, lens)
+
+    sg_runtime.ChoiceAhead = Every
+    try:
+        yield
+    finally:
+        sg_runtime.ChoiceAhead = real
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None, prefill_ms: float = 0.0) -> float:
@@ -174,6 +202,9 @@ def main() -> None:
                          "weighing 4 row-steps; 1:1:1.5: its miss rate x 1.5; 0.9:1:1:0.03: a larger K within 3%% "
                          "tried where unseen; 0.9:1:1:0.02:1: tried at one busy row only; "
                          "sim_adaptive.PRIOR_SETTINGS)")
+    ap.add_argument("--choose-every", default="", metavar="N,N",
+                    help="also the engine's chooser (+h) choosing only every N-th replay where it chooses from the "
+                         "batch's counts (more than one busy row), keeping the K running between (choosing_every)")
     ap.add_argument("--variants", choices=("all", "engine"), default="all",
                     help="chooser variants per decay: all (with and without the host time, blind to rows' work "
                          "left or not) or the engine's alone (+h, by row)")
@@ -182,6 +213,11 @@ def main() -> None:
     ap.add_argument("--oracle", action="store_true",
                     help="also the best K per step chosen knowing each step's acceptance (greedy, batch size 1)")
     a = ap.parse_args()
+    everies = []
+    for item in (x for x in a.choose_every.split(",") if x):
+        if not item.strip().isdigit() or int(item) < 1:
+            ap.error(f"--choose-every {a.choose_every!r}: {item!r} is not a replay count (an integer, 1 or more)")
+        everies.append(int(item))
     ks = [int(k) for k in a.k_set.split(",")]
     times = dict(zip(ks, (float(t) for t in a.times.split(","))))
     if len(times) != len(ks):
@@ -198,7 +234,7 @@ def main() -> None:
         print(f"K={k}: " + " / ".join(f"{x:.3f}" for x in rows[f"K={k}"]) + f"  ({prefills(out)})", flush=True)
     decays = [float(x) for x in a.decays.split(",") if x]
     variants = [(f"auto decay {d}" + (" +h" if h else "") + ("" if by_row else ", blind to rows' work left"), d,
-                 h, (), by_row)
+                 h, (), by_row, 1)
                 for d in decays for h in (False, True) for by_row in (True, False)
                 if a.variants == "all" or h and by_row]
     for item in (x for x in a.prior_shrinks.split(",") if x):
@@ -206,12 +242,15 @@ def main() -> None:
         if len(prior) > len(PRIOR_SETTINGS):
             ap.error(f"--prior-shrinks {item!r}: at most {len(PRIOR_SETTINGS)} values, {':'.join(PRIOR_SETTINGS)}")
         label = ", ".join(f"{name} {v:g}" for name, v in zip(PRIOR_SETTINGS, prior))
-        variants += [(f"auto decay {d} +h, {label}", d, True, prior, True) for d in decays]
+        variants += [(f"auto decay {d} +h, {label}", d, True, prior, True, 1) for d in decays]
+    for every in everies:
+        variants += [(f"auto decay {d} +h, choosing every {every} replays", d, True, (), True, every) for d in decays]
     if variants:
         dec = engine(ba.AUTO, B, max(ks), a.device, a.admission_wait)
         dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
-    for name, decay, with_h, prior, by_row in variants:
-        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior):
+    for name, decay, with_h, prior, by_row, every in variants:
+        with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior), \
+                choosing_every(every):
             out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[name] = [priced(s, times, a.overhead, prefill_ms=a.prefill_ms) for s in out]
         mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]

@@ -297,6 +297,43 @@ def test_bench_auto_host_waits_name_their_variants_and_refuse_bad_input(waits, m
         bench_auto_host.wait_variants(waits, [1])
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_sim_choosing_every_n_replays_halves_the_batch_choices(llama_pair, monkeypatch, broken):
+    """sim_adaptive's --choose-every variant: at two busy rows, choosing every 2nd replay asks the chooser for the
+    batch about half as often as the engine's own (9 against 16 here), and the greedy tokens are the same (they do
+    not depend on K). Control: a variant that skips nothing asks as often, which the count rejects."""
+    import sim_adaptive
+
+    from spec_graph import SpecDecoder, SpecGraphConfig, adaptive
+
+    cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=3, max_len=128, max_batch_size=2,
+                          batch_buckets=(2,))
+    dec = SpecDecoder.from_pretrained(*llama_pair, cfg)
+    dec.step_times = {(True, 2, k): 1e-3 * (1 + k) for k in dec.k_choices}
+    asked = []
+    real = adaptive.KChooser.choose
+
+    def choose(self, times, left=None, queued=0):  # counts the choices for the batch (two rows busy)
+        asked.append(len(left or ()) > 1)  # (one row's forks ask for every outcome, replay by replay)
+        return real(self, times, left, queued)
+
+    monkeypatch.setattr(adaptive.KChooser, "choose", choose)
+    prompts = [[5, 9, 17], [40, 41], [7, 8, 9, 10]]
+
+    def run(every):
+        asked.clear()
+        with sim_adaptive.choosing_every(every):
+            out = dec.generate(prompts, 24)
+        return [r.token_ids for r in out], sum(asked), out.stats.steps
+
+    tokens, engine_asks, steps = run(1)
+    if broken:
+        monkeypatch.setattr(sim_adaptive, "choosing_every", lambda n: sim_adaptive.contextlib.nullcontext())
+    tokens2, every2_asks, _ = run(2)
+    assert tokens2 == tokens and steps > 8
+    assert (every2_asks < 0.75 * engine_asks) != broken, (every2_asks, engine_asks)
+
+
 def test_the_chooser_reads_its_decay_setting_when_made():
     """A variant's DECAY reaches the choosers the engine makes while it is set (as the other settings, read at
     each use, do), and the engine's own after."""
