@@ -151,6 +151,41 @@ def chooser_as(pin: int | None = None, decay: float | None = None, host_ms: floa
 
 
 @contextlib.contextmanager
+def choosing_every(n: int):
+    """The engine's chooser, for the calls inside, choosing and observing only every `n`-th replay where it chooses
+    from the batch's counts (more than one busy row, or N > 1), and keeping the K running between: its host work
+    there cut to 1/n, its choices later. (Where it forks per outcome, at one busy row, it works every replay.)"""
+    real = sg_runtime.ChoiceAhead
+
+    class Every(real):
+        replays = 0
+
+        def ahead(self, k, steps, lens):
+            if not (steps == 1 and len(lens) <= self.MAX_FORK_ROWS):
+                self.replays += 1
+                if self.replays % n:  # the counts read meanwhile are cumulative: the next observe takes them all
+                    self._spent, self._next, self.chooser.last_k = None, k, k
+                    return
+            super().ahead(k, steps, lens)
+
+    sg_runtime.ChoiceAhead = Every
+    try:
+        yield
+    finally:
+        sg_runtime.ChoiceAhead = real
+
+
+def replay_counts(text: str) -> list[int]:
+    """--choose-every "2,3" -> [2, 3]; anything but integers of 1 or more is refused by name."""
+    out = []
+    for item in filter(None, text.split(",")):
+        if not item.strip().isdigit() or int(item) < 1:
+            raise SystemExit(f"--choose-every {text!r}: {item!r} is not a replay count (an integer, 1 or more)")
+        out.append(int(item))
+    return out
+
+
+@contextlib.contextmanager
 def admission_as(dec: SpecDecoder, wait: int):
     """The engine's admission_wait set to `wait` for the calls inside."""
     old, dec.config.admission_wait = dec.config.admission_wait, wait

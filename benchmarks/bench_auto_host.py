@@ -2,6 +2,7 @@
 
     python benchmarks/bench_auto_host.py [--batch-size 8] [--prompts 16] [--max-k 8] [--fixed 1,4]
         [--rounds 21] [--device cuda] [--auto-set NAME=VALUE ...] [--waits W,W]
+        [--choose-every N,N]
 
 One auto engine (the embedded pair, bf16 on CUDA, max_len 512, the one bucket B, greedy) runs bench_adaptive's
 three workloads under these choosers, taking turns call by call:
@@ -23,6 +24,8 @@ three workloads under these choosers, taking turns call by call:
                 launch (the "loop - table" cycles are timed in this form alone)
   NAME wait=W   auto and each K of --fixed with the engine's admission_wait at W slot-steps (--waits), in place of
                 its default (the batch size)
+  auto every N  auto choosing for the batch only every N-th replay (--choose-every; bench_adaptive.choosing_every):
+                its host work there cut to 1/N, its choices later
 
 Greedy tokens do not depend on K, so "replayed" runs auto's steps and prefills again: what it loses against auto
 is the chooser's host time on the replays' path, and what it loses against the best fixed K lies in the Ks.
@@ -54,7 +57,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
-from bench_adaptive import MAX_LEN, WORKLOADS, workloads  # noqa: E402
+from bench_adaptive import MAX_LEN, WORKLOADS, choosing_every, replay_counts, workloads  # noqa: E402
 from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
@@ -185,6 +188,9 @@ def main():
     ap.add_argument("--waits", default="", metavar="W,W",
                     help="comma-separated admission_wait values (slot-steps): auto and each K of --fixed run once "
                          "more at each, as 'NAME wait=W'")
+    ap.add_argument("--choose-every", default="", metavar="N,N",
+                    help="comma-separated replay counts: auto once more for each, as 'auto every N', choosing for "
+                         "the batch only every N-th replay")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the tables, the host's N costliest functions (cProfile, own time) in one call of "
                          "auto and of the first --fixed K on the stdlib workload")
@@ -192,6 +198,7 @@ def main():
     variants = auto_variants(a.auto_set)
     fixed = [int(x) for x in a.fixed.split(",") if x]
     waits = wait_variants(a.waits, fixed)
+    everies = [f"auto every {n}" for n in replay_counts(a.choose_every)]
     B = a.batch_size
     cfg = SpecGraphConfig(num_speculative_tokens="auto", max_speculative_tokens=a.max_k, max_batch_size=B,
                           max_len=MAX_LEN, batch_buckets=(B,), device=a.device)
@@ -210,7 +217,7 @@ def main():
         if name not in names:
             raise SystemExit(f"--serial {name!r}: not one of the choosers {names}")
         names.append(f"{name} serial")
-    names += waits
+    names += waits + everies
     engine_table = (dict(dec.step_times), dict(dec.host_times))  # as measured at capture
     chained = None
     if a.chain_table:
@@ -279,6 +286,8 @@ def main():
         elif name == "auto+flush":
             sg_platform.Platform.replay = flushed_replay
         setting = settings_as(adaptive, **variants[name]) if name in variants else contextlib.nullcontext()
+        if name.startswith("auto every "):
+            setting = choosing_every(int(name.split()[-1]))
         if name == "auto chain":
             hosts = {key: 0.0 for key in dec.host_times}  # the chain's times hold the read
             setting = settings_as(dec, step_times={**dec.step_times, **chained}, host_times=hosts)

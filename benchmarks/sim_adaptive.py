@@ -26,7 +26,6 @@ outcome alone, fitted to the same runs (a bound on choosers that remember one st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import sys
@@ -40,7 +39,6 @@ import bench_adaptive as ba  # noqa: E402
 import torch  # noqa: E402
 from bench_util import settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
-from spec_graph import runtime as sg_runtime  # noqa: E402
 
 
 def engine(k, B: int, kmax: int, device: str, admission_wait: int | None = None) -> SpecDecoder:
@@ -59,31 +57,6 @@ def prior_as(*values: float):
     it tries a larger K whose deep position it has not seen (EXPLORE_MARGIN), at up to EXPLORE_ROWS busy rows:
     `values` in PRIOR_SETTINGS' order, the others as the engine has them."""
     return settings_as(adaptive, **dict(zip(PRIOR_SETTINGS, values)))
-
-
-@contextlib.contextmanager
-def choosing_every(n: int):
-    """The engine's chooser, for the calls inside, choosing and observing only every `n`-th replay where it chooses
-    from the batch's counts (more than one busy row, or N > 1), and keeping the K running between: its host work
-    there cut to 1/n, its choices later. (Where it forks per outcome, at one busy row, it works every replay.)"""
-    real = sg_runtime.ChoiceAhead
-
-    class Every(real):
-        replays = 0
-
-        def ahead(self, k, steps, lens):
-            if not (steps == 1 and len(lens) <= self.MAX_FORK_ROWS):
-                self.replays += 1
-                if self.replays % n:  # the counts read meanwhile are cumulative: the next observe takes them all
-                    self._spent, self._next, self.chooser.last_k = None, k, k
-                    return
-            super().ahead(k, steps, lens)
-
-    sg_runtime.ChoiceAhead = Every
-    try:
-        yield
-    finally:
-        sg_runtime.ChoiceAhead = real
 
 
 def priced(stats, times: dict, overhead: float, fixed_k=None, prefill_ms: float = 0.0) -> float:
@@ -204,7 +177,8 @@ def main() -> None:
                          "sim_adaptive.PRIOR_SETTINGS)")
     ap.add_argument("--choose-every", default="", metavar="N,N",
                     help="also the engine's chooser (+h) choosing only every N-th replay where it chooses from the "
-                         "batch's counts (more than one busy row), keeping the K running between (choosing_every)")
+                         "batch's counts (more than one busy row), keeping the K running between "
+                         "(bench_adaptive.choosing_every)")
     ap.add_argument("--variants", choices=("all", "engine"), default="all",
                     help="chooser variants per decay: all (with and without the host time, blind to rows' work "
                          "left or not) or the engine's alone (+h, by row)")
@@ -213,11 +187,7 @@ def main() -> None:
     ap.add_argument("--oracle", action="store_true",
                     help="also the best K per step chosen knowing each step's acceptance (greedy, batch size 1)")
     a = ap.parse_args()
-    everies = []
-    for item in (x for x in a.choose_every.split(",") if x):
-        if not item.strip().isdigit() or int(item) < 1:
-            ap.error(f"--choose-every {a.choose_every!r}: {item!r} is not a replay count (an integer, 1 or more)")
-        everies.append(int(item))
+    everies = ba.replay_counts(a.choose_every)
     ks = [int(k) for k in a.k_set.split(",")]
     times = dict(zip(ks, (float(t) for t in a.times.split(","))))
     if len(times) != len(ks):
@@ -250,7 +220,7 @@ def main() -> None:
         dec.step_times = {(g, B, k): 1e-3 * t for k, t in times.items() for g in (True, False)}
     for name, decay, with_h, prior, by_row, every in variants:
         with ba.chooser_as(decay=decay, host_ms=a.overhead if with_h else 0.0, rows=by_row), prior_as(*prior), \
-                choosing_every(every):
+                ba.choosing_every(every):
             out = [gen(dec, w) for w in ba.WORKLOADS]
         rows[name] = [priced(s, times, a.overhead, prefill_ms=a.prefill_ms) for s in out]
         mean_k = [sum(k for s in runs for k in s.k_per_step) / sum(len(s.k_per_step) for s in runs) for runs in out]

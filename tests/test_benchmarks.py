@@ -298,11 +298,11 @@ def test_bench_auto_host_waits_name_their_variants_and_refuse_bad_input(waits, m
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_sim_choosing_every_n_replays_halves_the_batch_choices(llama_pair, monkeypatch, broken):
-    """sim_adaptive's --choose-every variant: at two busy rows, choosing every 2nd replay asks the chooser for the
-    batch about half as often as the engine's own (9 against 16 here), and the greedy tokens are the same (they do
-    not depend on K). Control: a variant that skips nothing asks as often, which the count rejects."""
-    import sim_adaptive
+def test_choosing_every_n_replays_halves_the_batch_choices(llama_pair, monkeypatch, broken):
+    """The --choose-every variant (sim_adaptive, bench_auto_host): at two busy rows, choosing every 2nd replay asks the
+    chooser for the batch about half as often as the engine's own (9 against 16 here), and the greedy tokens are the
+    same (they do not depend on K). Control: a variant that skips nothing asks as often, which the count rejects."""
+    import bench_adaptive
 
     from spec_graph import SpecDecoder, SpecGraphConfig, adaptive
 
@@ -322,16 +322,25 @@ def test_sim_choosing_every_n_replays_halves_the_batch_choices(llama_pair, monke
 
     def run(every):
         asked.clear()
-        with sim_adaptive.choosing_every(every):
+        with bench_adaptive.choosing_every(every):
             out = dec.generate(prompts, 24)
         return [r.token_ids for r in out], sum(asked), out.stats.steps
 
     tokens, engine_asks, steps = run(1)
     if broken:
-        monkeypatch.setattr(sim_adaptive, "choosing_every", lambda n: sim_adaptive.contextlib.nullcontext())
+        monkeypatch.setattr(bench_adaptive, "choosing_every", lambda n: bench_adaptive.contextlib.nullcontext())
     tokens2, every2_asks, _ = run(2)
     assert tokens2 == tokens and steps > 8
     assert (every2_asks < 0.75 * engine_asks) != broken, (every2_asks, engine_asks)
+
+
+@pytest.mark.parametrize("text, message", [("2,x", "'x' is not a replay count"), ("0", "'0' is not a replay count")])
+def test_choose_every_replay_counts_refuse_bad_input(text, message):
+    import bench_adaptive
+
+    assert bench_adaptive.replay_counts("2,3") == [2, 3] and bench_adaptive.replay_counts("") == []
+    with pytest.raises(SystemExit, match=message):
+        bench_adaptive.replay_counts(text)
 
 
 def test_the_chooser_reads_its_decay_setting_when_made():
