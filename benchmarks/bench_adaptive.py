@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_default_pair import load_corpus, make_prompts  # noqa: E402
 
-from bench_util import report_head, settings_as  # noqa: E402
+from bench_util import int_list, report_head, settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig  # noqa: E402
 from spec_graph import adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
@@ -177,12 +177,7 @@ def choosing_every(n: int):
 
 def replay_counts(text: str) -> list[int]:
     """--choose-every "2,3" -> [2, 3]; anything but integers of 1 or more is refused by name."""
-    out = []
-    for item in filter(None, text.split(",")):
-        if not item.strip().isdigit() or int(item) < 1:
-            raise SystemExit(f"--choose-every {text!r}: {item!r} is not a replay count (an integer, 1 or more)")
-        out.append(int(item))
-    return out
+    return int_list(text, "--choose-every", "a replay count", 1)
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from bench_adaptive import MAX_LEN, WORKLOADS, choosing_every, replay_counts, workloads  # noqa: E402
-from bench_util import settings_as  # noqa: E402
+from bench_util import int_list, settings_as  # noqa: E402
 from spec_graph import SpecDecoder, SpecGraphConfig, adaptive  # noqa: E402
 from spec_graph import platform as sg_platform  # noqa: E402
 from spec_graph import runtime as sg_runtime  # noqa: E402
@@ -158,12 +158,8 @@ def auto_variants(items: list[str]) -> dict[str, dict[str, object]]:
 def wait_variants(waits: str, fixed: list[int]) -> list[str]:
     """--waits "16,32" -> ["auto wait=16", "K=1 wait=16", ..., "auto wait=32", ...]: auto and each fixed K at each
     admission_wait (slot-steps, a non-negative integer); anything else is refused by name."""
-    out = []
-    for item in filter(None, waits.split(",")):
-        if not item.strip().isdigit():
-            raise SystemExit(f"--waits {waits!r}: {item!r} is not an admission_wait (slot-steps: an integer >= 0)")
-        out += [f"{name} wait={int(item)}" for name in ["auto", *(f"K={k}" for k in fixed)]]
-    return out
+    return [f"{name} wait={wait}" for wait in int_list(waits, "--waits", "an admission_wait in slot-steps", 0)
+            for name in ["auto", *(f"K={k}" for k in fixed)]]
 
 
 def main():

@@ -118,6 +118,17 @@ def settings_as(module, **values):
             setattr(module, name, value)
 
 
+def int_list(text: str, flag: str, what: str, least: int) -> list[int]:
+    """A comma-separated flag's integers ("16,32" -> [16, 32]; "" -> []); an item that is not an integer of at least
+    `least` is refused by name, as `what`."""
+    out = []
+    for item in filter(None, text.split(",")):
+        if not item.strip().isdigit() or int(item) < least:
+            raise SystemExit(f"{flag} {text!r}: {item!r} is not {what} (an integer >= {least})")
+        out.append(int(item))
+    return out
+
+
 def parse_setting(pair: str, flag: str = "--set") -> tuple:
     """MODULE.NAME=VALUE -> (module, name, value) of a setting of spec_graph.kernels.MODULE or spec_graph.models.MODULE
     (VALUE a Python literal); exits with a message that names the problem."""
